@@ -1,0 +1,67 @@
+"""vLLM plugin entry point (group ``vllm.general_plugins``).
+
+vLLM calls :func:`register` in every process it starts (engine core, workers,
+API server, Ray workers) before it builds its configuration. On a supported
+vLLM it applies :mod:`vllm_lookahead.patches`; on any other version it patches
+nothing except a guard that makes ``method="lookahead"`` fail with a clear
+message, so vLLM itself keeps working for every other method.
+"""
+
+from __future__ import annotations
+
+import logging
+
+#: vLLM releases this plugin is built and tested against.
+SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+
+logger = logging.getLogger("vllm.vllm_lookahead")
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return getattr(vllm, "__version__", "unknown")
+
+
+def is_supported(version: str) -> bool:
+    base = version.split("+", 1)[0]
+    return base in SUPPORTED_VLLM_VERSIONS
+
+
+def unsupported_message(version: str) -> str:
+    return (
+        f"vllm-lookahead supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}, "
+        f"but vLLM {version} is installed; install a supported build "
+        "(`pip install 'vllm-lookahead[cpu]'` or `'vllm-lookahead[cuda]'`)."
+    )
+
+
+def register() -> None:
+    version = vllm_version()
+    if not is_supported(version):
+        logger.error(unsupported_message(version))
+        _guard_unsupported(version)
+        return
+    from vllm_lookahead import patches
+
+    patches.apply()
+
+
+def _guard_unsupported(version: str) -> None:
+    """On an unsupported vLLM, make ``method="lookahead"`` fail clearly."""
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except Exception:  # pragma: no cover - nothing we can guard
+        return
+    from vllm_lookahead.config import is_lookahead
+
+    orig = getattr(EngineArgs, "create_speculative_config", None)
+    if orig is None:
+        return
+
+    def create_speculative_config(self, *args, **kwargs):
+        if is_lookahead(self.speculative_config):
+            raise RuntimeError(unsupported_message(version))
+        return orig(self, *args, **kwargs)
+
+    EngineArgs.create_speculative_config = create_speculative_config

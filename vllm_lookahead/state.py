@@ -1,0 +1,176 @@
+"""Per-request lookahead state: the n-gram pool and the Jacobi window.
+
+Pure logic (numpy only), unit-tested without an engine. The vLLM glue in
+``proposer.py`` keeps one :class:`RequestState` per request id.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: Where an n-gram in the pool came from.
+SOURCE_WINDOW = "window"  # harvested from the Jacobi window
+SOURCE_PROMPT = "prompt"  # an n-gram of the prompt or of the accepted text
+#: Draft token that is the target's own next-token prediction from the
+#: lookahead pass (not an n-gram token).
+SOURCE_MODEL = "model"
+SOURCES = (SOURCE_WINDOW, SOURCE_PROMPT, SOURCE_MODEL)
+
+
+class NGramPool:
+    """N-gram pool of one request: key token -> at most ``cap`` continuations.
+
+    Each key keeps an LRU list of ``(N-1)``-token continuations: adding one
+    that is present moves it to the newest end and bumps its count; adding a
+    new one to a full list drops the oldest. The source recorded for a
+    continuation is the one that first added it.
+    """
+
+    __slots__ = ("cap", "_d")
+
+    def __init__(self, cap: int) -> None:
+        if cap < 1:
+            raise ValueError(f"pool cap must be >= 1, got {cap}")
+        self.cap = cap
+        # key -> OrderedDict[cont tuple -> [count, source]], oldest first
+        self._d: dict[int, OrderedDict[tuple[int, ...], list]] = {}
+
+    def add(self, key: int, cont: tuple[int, ...], source: str) -> None:
+        entries = self._d.get(key)
+        if entries is None:
+            entries = self._d[key] = OrderedDict()
+        entry = entries.get(cont)
+        if entry is not None:
+            entry[0] += 1
+            entries.move_to_end(cont)
+            return
+        entries[cont] = [1, source]
+        if len(entries) > self.cap:
+            entries.popitem(last=False)
+
+    def get(self, key: int) -> list[tuple[tuple[int, ...], int, str]]:
+        """Continuations of ``key``, newest first, as (tokens, count, source)."""
+        entries = self._d.get(key)
+        if not entries:
+            return []
+        return [(c, e[0], e[1]) for c, e in reversed(entries.items())]
+
+    def __len__(self) -> int:
+        """Number of stored continuations (all keys)."""
+        return sum(len(e) for e in self._d.values())
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._d)
+
+
+class JacobiWindow:
+    """The N-1 levels of Jacobi guesses of one request.
+
+    ``levels`` is int32 [N-1, W]: row 0 is level 0 (only its first W-1 columns
+    are used: with the root in front they form the trunk ``B0``), rows
+    1..N-2 are levels 1..N-2.
+    """
+
+    __slots__ = ("n", "w", "levels", "steps")
+
+    def __init__(self, ngram_size: int, window_size: int, init_tokens: np.ndarray) -> None:
+        self.n = ngram_size
+        self.w = window_size
+        self.levels = np.asarray(init_tokens, dtype=np.int32).reshape(
+            ngram_size - 1, window_size
+        ).copy()
+        #: Jacobi steps taken; the window is warm (its levels come from the
+        #: model, not from the random initialisation) once steps >= N-2.
+        self.steps = 0
+
+    @classmethod
+    def random_init(
+        cls, ngram_size: int, window_size: int, context: np.ndarray, seed: int
+    ) -> "JacobiWindow":
+        """Fill every level with tokens drawn from ``context`` (LADE's init),
+        deterministically from ``seed``."""
+        rng = np.random.default_rng(seed)
+        context = np.asarray(context, dtype=np.int32)
+        size = (ngram_size - 1) * window_size
+        if context.size == 0:
+            init = np.zeros(size, dtype=np.int32)
+        else:
+            init = context[rng.integers(0, context.size, size=size)]
+        return cls(ngram_size, window_size, init)
+
+    @property
+    def warm(self) -> bool:
+        return self.steps >= self.n - 2
+
+    def columns(self, root: int, new: np.ndarray) -> list[tuple[int, tuple[int, ...]]]:
+        """The W n-grams of this step as (key, continuation).
+
+        Column j is ``(B0[j], B_1[j], ..., B_{N-2}[j], new[j])`` where
+        ``B0 = [root, L0[0], ..., L0[W-2]]``.
+        """
+        trunk = np.empty(self.w, dtype=np.int32)
+        trunk[0] = root
+        trunk[1:] = self.levels[0, : self.w - 1]
+        upper = self.levels[1:]  # [N-2, W]
+        cols = np.concatenate([upper, np.asarray(new, dtype=np.int32)[None, :]], axis=0)
+        t = trunk.tolist()
+        c = cols.T.tolist()  # [W][N-1]
+        return [(t[j], tuple(c[j])) for j in range(self.w)]
+
+    def shift(self, new: np.ndarray) -> None:
+        """One Jacobi step: ``L0 <- L1[1:]``, ``L_l <- L_{l+1}``, newest <- new."""
+        new = np.asarray(new, dtype=np.int32)
+        if self.n == 2:
+            self.levels[0, : self.w - 1] = new[1:]
+        else:
+            self.levels[0, : self.w - 1] = self.levels[1, 1:]
+            self.levels[1:-1] = self.levels[2:]
+            self.levels[-1] = new
+        self.steps += 1
+
+
+def request_seed(base_seed: int, prompt_token_ids: np.ndarray) -> int:
+    """Seed of a request's window: a function of the base seed and the prompt
+    tokens only, so every tensor-parallel rank (and every rerun) agrees."""
+    data = np.asarray(prompt_token_ids, dtype=np.int32).tobytes()
+    return (zlib.crc32(data) ^ (base_seed * 0x9E3779B1)) & 0xFFFFFFFF
+
+
+@dataclass
+class RequestState:
+    """Everything lookahead keeps for one request."""
+
+    window: JacobiWindow
+    pool: NGramPool
+    #: Number of the request's tokens whose n-grams are in the pool
+    #: (0 when the prompt pool is off).
+    pooled_upto: int = 0
+    #: Sources of the draft handed to the verifier last step, per position.
+    draft_sources: list[str] = field(default_factory=list)
+
+    def add_context_ngrams(self, tokens: np.ndarray, n: int, upto: int) -> None:
+        """Add every n-gram of ``tokens[:upto]`` not added yet (prompt pool)."""
+        start = max(self.pooled_upto - n + 1, 0)
+        if upto - start >= n:
+            toks = np.asarray(tokens[start:upto]).tolist()
+            for i in range(len(toks) - n + 1):
+                self.pool.add(toks[i], tuple(toks[i + 1 : i + n]), SOURCE_PROMPT)
+        self.pooled_upto = max(self.pooled_upto, upto)
+
+
+def choose_candidate(
+    matches: list[int], counts: list[int]
+) -> int:
+    """Index of the best candidate: longest confirmed prefix, then the most
+    often seen, then the newest (lowest index, candidates come newest first).
+    Returns -1 for an empty list."""
+    best = -1
+    for i, (m, c) in enumerate(zip(matches, counts)):
+        if best < 0 or (m, c) > (matches[best], counts[best]):
+            best = i
+    return best

@@ -1,0 +1,91 @@
+"""Lookahead statistics that a program can read.
+
+vLLM's own spec-decode metrics (``vllm:spec_decode_*``: drafts, draft tokens,
+accepted tokens, per position) count our drafts with no help from us: they are
+computed by the scheduler from what the verifier accepted. This module adds
+the figures only lookahead knows: where accepted tokens came from (window
+n-grams, prompt/context n-grams, the lookahead pass's own next-token
+prediction), how many lookahead passes ran and how big the pools are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from vllm_lookahead.state import SOURCES
+
+
+@dataclass
+class LookaheadStats:
+    """Counters of one proposer (one worker rank), since engine start.
+
+    Attributes:
+        decode_steps: request-steps that produced tokens (a request sampled
+            in one engine step counts once; its prefill step included).
+        generated_tokens: tokens produced over those request-steps.
+        lookahead_passes: tree-masked forwards of the target model run by
+            the proposer (one per engine step, batched over requests).
+        lookahead_query_tokens: tree nodes queried over all passes.
+        drafts / draft_tokens: drafts handed to the verifier and their length.
+        accepted_tokens: draft tokens the verifier accepted.
+        accepted_by_source: accepted tokens by where the draft token came
+            from: "window" (Jacobi n-gram), "prompt" (n-gram of the prompt or
+            accepted text), "model" (the pass's next-token prediction).
+        live_requests, pool_ngrams: current number of request states and
+            n-grams held in their pools.
+        proposer_time_s: wall time spent in the proposer (pass included).
+    """
+
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    lookahead_passes: int = 0
+    lookahead_query_tokens: int = 0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_by_source: dict[str, int] = field(
+        default_factory=lambda: {s: 0 for s in SOURCES}
+    )
+    live_requests: int = 0
+    pool_ngrams: int = 0
+    proposer_time_s: float = 0.0
+
+    @property
+    def step_compression(self) -> float:
+        """Generated tokens per request-step of the verifier (1.0 = vanilla)."""
+        return self.generated_tokens / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["step_compression"] = self.step_compression
+        d["acceptance_rate"] = self.acceptance_rate
+        return d
+
+
+def _worker_stats(worker) -> dict | None:
+    """Runs inside a vLLM worker (through ``collective_rpc``)."""
+    runner = getattr(worker, "model_runner", None)
+    drafter = getattr(runner, "drafter", None)
+    get = getattr(drafter, "get_stats", None)
+    return get() if get is not None else None
+
+
+def get_lookahead_stats(llm) -> dict:
+    """Stats of the lookahead proposer of a ``vllm.LLM``.
+
+    Works with in-process and multi-process engines (uses
+    ``LLM.collective_rpc``). Every tensor-parallel rank runs the same proposer
+    on the same inputs, so rank 0's figures are returned.
+
+    Raises:
+        RuntimeError: the engine does not run lookahead decoding.
+    """
+    results = llm.collective_rpc(_worker_stats)
+    found = [r for r in results if r is not None]
+    if not found:
+        raise RuntimeError("this engine does not run lookahead decoding")
+    return found[0]

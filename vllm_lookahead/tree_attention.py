@@ -1,0 +1,170 @@
+"""Tree attention over a request's paged KV cache (read only).
+
+The lookahead pass queries a tree of tokens (see :mod:`attn_mask`) whose keys
+and values are never written to the cache: each tree node attends to the
+request's cached prefix (gathered from vLLM's paged cache) and to its tree
+ancestors (the keys/values computed in this very pass).
+
+Pure torch, no vLLM import: the cache *layout* within a block is learnt once
+by :func:`probe_block_layout`, which calls the backend's own cache-write op on
+a scratch block, so we never hard-code how a backend packs K and V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+#: write_fn(key, value, kv_cache, slot_mapping): the backend's op that stores
+#: key/value [num_tokens, kv_heads, head_size] into a
+#: [num_blocks, kv_heads, block_size, 2 * head_size] cache.
+WriteFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where token t, dim d of one head lives inside a block.
+
+    A layer's cache is ``[num_blocks, kv_heads, block_size, 2 * head_size]``;
+    per (block, head) the first ``block_size * head_size`` elements hold K and
+    the next as many hold V, each in a backend-specific order.
+    ``k_perm[t * head_size + d]`` is the offset of K[t, d] inside the K half
+    (likewise ``v_perm``).
+    """
+
+    block_size: int
+    head_size: int
+    k_perm: torch.Tensor  # int64 [block_size * head_size]
+    v_perm: torch.Tensor  # int64 [block_size * head_size]
+
+
+def split_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key/value views of a ``[nb, kvh, bs, 2*hd]`` cache, as vLLM's CPU
+    backend makes them (each ``[nb, kvh, bs, hd]``)."""
+    nb, kvh, bs, _ = kv_cache.shape
+    kv = kv_cache.view(nb, kvh, 2 * bs, -1)
+    k, v = kv.chunk(2, dim=2)
+    return k, v
+
+
+def probe_block_layout(
+    block_size: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    write_fn: WriteFn,
+) -> BlockLayout:
+    """Learn the in-block layout by writing coded values with ``write_fn``.
+
+    Values are small integers (exact in bfloat16 and float16): one probe
+    codes the token index, one the dim, one the head.
+    """
+    bs, hd, kvh = block_size, head_size, num_kv_heads
+    t_idx = torch.arange(bs).view(bs, 1, 1).expand(bs, kvh, hd)
+    d_idx = torch.arange(hd).view(1, 1, hd).expand(bs, kvh, hd)
+    h_idx = torch.arange(kvh).view(1, kvh, 1).expand(bs, kvh, hd)
+    slots = torch.arange(bs, dtype=torch.int64)
+
+    def write(code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = torch.zeros(1, kvh, bs, 2 * hd, dtype=dtype)
+        vals = (code + 1).to(dtype).contiguous()
+        write_fn(vals, vals.clone(), cache, slots)
+        region = cache.view(1, kvh, 2, bs * hd)[0].float()  # [kvh, 2, bs*hd]
+        return region[:, 0] - 1, region[:, 1] - 1
+
+    tk, tv = write(t_idx)
+    dk, dv = write(d_idx)
+    hk, hv = write(h_idx)
+    heads = torch.arange(kvh, dtype=torch.float32).view(kvh, 1)
+    if not (torch.equal(hk, heads.expand_as(hk)) and torch.equal(hv, heads.expand_as(hv))):
+        raise RuntimeError("KV cache layout mixes heads within a block: unsupported")
+
+    def perm(t: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        t0, d0 = t[0].long(), d[0].long()  # head 0; every head is checked below
+        for h in range(1, kvh):
+            if not (torch.equal(t[h].long(), t0) and torch.equal(d[h].long(), d0)):
+                raise RuntimeError("KV cache layout differs between heads")
+        flat = t0 * hd + d0  # which (t, d) each offset holds
+        p = torch.full((bs * hd,), -1, dtype=torch.int64)
+        p[flat] = torch.arange(bs * hd, dtype=torch.int64)
+        if (p < 0).any():
+            raise RuntimeError("KV cache layout probe is not a permutation")
+        return p
+
+    return BlockLayout(bs, hd, perm(tk, dk), perm(tv, dv))
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int, layout: BlockLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense K and V of the first ``length`` tokens of one sequence.
+
+    Args:
+        kv_cache: ``[num_blocks, kv_heads, block_size, 2 * head_size]``.
+        block_ids: int [>= ceil(length / block_size)], the sequence's blocks.
+    Returns:
+        K, V: ``[kv_heads, length, head_size]`` (copies).
+    """
+    nb_all, kvh, bs, _ = kv_cache.shape
+    hd = layout.head_size
+    nb = -(-length // bs)
+    if nb == 0:
+        empty = kv_cache.new_empty(kvh, 0, hd)
+        return empty, empty
+    region = kv_cache.view(nb_all, kvh, 2, bs * hd)[block_ids[:nb].long()]
+    k = region[:, :, 0].index_select(-1, layout.k_perm).view(nb, kvh, bs, hd)
+    v = region[:, :, 1].index_select(-1, layout.v_perm).view(nb, kvh, bs, hd)
+    k = k.transpose(0, 1).reshape(kvh, nb * bs, hd)[:, :length]
+    v = v.transpose(0, 1).reshape(kvh, nb * bs, hd)[:, :length]
+    return k, v
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    ctx_key: torch.Tensor,
+    ctx_value: torch.Tensor,
+    tree_mask: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Attention of T tree nodes over a cached prefix of L tokens plus the tree.
+
+    Args:
+        query: [T, H, D]; key, value: [T, KVH, D] of the tree nodes.
+        ctx_key, ctx_value: [KVH, L, D], the prefix (positions 0..L-1).
+        tree_mask: bool [T, T], True where node i may see node j.
+        positions: int [T], position of each node (>= L).
+        sliding_window: > 0 to limit each query to the last that many
+            positions (itself included), -1 for none.
+        softcap: > 0 to apply ``softcap * tanh(s / softcap)`` to the scores.
+    Returns:
+        [T, H, D] in the query's dtype.
+    """
+    t, h, d = query.shape
+    kvh, length, _ = ctx_key.shape
+    k = torch.cat([ctx_key, key.transpose(0, 1)], dim=1).float()  # [KVH, L+T, D]
+    v = torch.cat([ctx_value, value.transpose(0, 1)], dim=1).float()
+    if h != kvh:
+        k = k.repeat_interleave(h // kvh, dim=0)
+        v = v.repeat_interleave(h // kvh, dim=0)
+    q = query.transpose(0, 1).float()  # [H, T, D]
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, T, L+T]
+    if softcap and softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    allowed = torch.cat(
+        [torch.ones(t, length, dtype=torch.bool, device=query.device), tree_mask], dim=1
+    )
+    if sliding_window is not None and sliding_window > 0:
+        key_pos = torch.cat(
+            [torch.arange(length, device=query.device), positions.to(query.device)]
+        )
+        allowed = allowed & (key_pos[None, :] > positions[:, None] - sliding_window)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [H, T, D]
+    return out.transpose(0, 1).to(query.dtype)
