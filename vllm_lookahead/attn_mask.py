@@ -30,6 +30,8 @@ class TreeLayout:
 
     Attributes (T = number of nodes):
         parents: int32 [T], parent node index, -1 for the root.
+            With W = 0 (Jacobi branch off) the tree is the root plus the
+            candidate chains, ``1 + (N-1) * g`` nodes.
         depth: int32 [T], position offset from the root.
         mask: bool [T, T], ``mask[i, j]`` is True iff j is i or an ancestor of i.
         level_index: int32 [N-1, W], node of ``B_l[j]`` (row 0 is the trunk
@@ -60,10 +62,11 @@ class TreeLayout:
 def build_tree(ngram_size: int, window_size: int, num_candidates: int) -> TreeLayout:
     """Build (and cache) the layout for N=ngram_size, W=window_size, g candidates."""
     n, w, g = ngram_size, window_size, num_candidates
-    if n < 2 or w < 1 or g < 0:
+    if n < 2 or w < 0 or g < 0:
         raise ValueError(f"invalid tree size N={n}, W={w}, g={g}")
     levels = n - 1
-    total = levels * (w + g)
+    # W = 0: no Jacobi branch, the root alone carries the candidates.
+    total = levels * (w + g) if w else 1 + levels * g
     parents = np.full(total, -1, dtype=np.int32)
     depth = np.zeros(total, dtype=np.int32)
     level_index = np.zeros((levels, w), dtype=np.int32)
@@ -74,8 +77,8 @@ def build_tree(ngram_size: int, window_size: int, num_candidates: int) -> TreeLa
         level_index[0, j] = j
         parents[j] = j - 1  # -1 for the root
         depth[j] = j
-    nxt = w
-    for lvl in range(1, levels):
+    nxt = max(w, 1)
+    for lvl in range(1, levels if w else 1):
         for j in range(w):
             node = nxt
             nxt += 1
@@ -124,8 +127,9 @@ def fill_tree_tokens(
     toks = out if out is not None else np.empty(t, dtype=np.int32)
     w = layout.window_size
     toks[0] = root
-    toks[1:w] = levels[0, : w - 1]
-    toks[w : layout.level_index[-1, -1] + 1] = levels[1:].reshape(-1)
+    if w:
+        toks[1:w] = levels[0, : w - 1]
+        toks[w : layout.level_index[-1, -1] + 1] = levels[1:].reshape(-1)
     if layout.num_candidates:
         toks[layout.cand_index[0, 0] :] = candidates.reshape(-1)
     return toks

@@ -27,8 +27,6 @@ PROPOSER_QUALNAME = "vllm_lookahead.proposer.LookaheadProposer"
 PASSTHROUGH_KEYS = frozenset(
     {
         "num_speculative_tokens",
-        "disable_by_batch_size",
-        "disable_log_stats",
         "rejection_sample_method",
         "enforce_eager",
     }
@@ -48,7 +46,8 @@ class LookaheadConfig:
             and the pool stores (a key token plus N-1 continuation tokens).
             The window has N-1 levels. Range: 2..16.
         window_size: W, the number of Jacobi columns (parallel n-gram
-            trajectories). Range: 1..64.
+            trajectories). Range: 0..64; 0 turns the Jacobi branch off, leaving
+            prompt lookup from the pool (needs ``prompt_pool``).
         guess_set_size: G, the most candidate continuations kept per key token
             in the n-gram pool and checked per step. Range: 1..64.
         prompt_pool: also seed the pool with every n-gram of the prompt (and
@@ -66,7 +65,7 @@ class LookaheadConfig:
 
     _RANGES = {
         "ngram_size": (2, 16),
-        "window_size": (1, 64),
+        "window_size": (0, 64),
         "guess_set_size": (1, 64),
         "seed": (0, 2**63 - 1),
     }
@@ -92,6 +91,12 @@ class LookaheadConfig:
                     f"speculative_config['{f.name}'] must be in [{lo}, {hi}], "
                     f"got {value}"
                 )
+
+        if self.window_size == 0 and not self.prompt_pool:
+            raise LookaheadConfigError(
+                "speculative_config['window_size'] = 0 (no Jacobi window) needs "
+                "prompt_pool = true, or nothing would ever be drafted"
+            )
 
     @property
     def max_draft_len(self) -> int:

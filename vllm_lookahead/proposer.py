@@ -166,12 +166,13 @@ class LookaheadProposer:
     def _update(self, state: RequestState, layout, cands, room: int, x: int, pred: np.ndarray) -> list[int]:
         cfg = self.cfg
         window = state.window
-        # Jacobi step: harvest the columns' n-grams, then shift.
-        new = pred[layout.newest_level]
-        if window.warm:
-            for key, cont in window.columns(x, new):
-                state.pool.add(key, cont, SOURCE_WINDOW)
-        window.shift(new)
+        if cfg.window_size:
+            # Jacobi step: harvest the columns' n-grams, then shift.
+            new = pred[layout.newest_level]
+            if window.warm:
+                for key, cont in window.columns(x, new):
+                    state.pool.add(key, cont, SOURCE_WINDOW)
+            window.shift(new)
         # Check every candidate against the pass's argmax chain.
         root_pred = int(pred[0])
         matches, counts = [], []

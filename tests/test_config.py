@@ -1,0 +1,265 @@
+"""Unit tests of the user-facing configuration (vllm_lookahead.config)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vllm_lookahead.config import (
+    METHOD,
+    PASSTHROUGH_KEYS,
+    PROPOSER_QUALNAME,
+    LookaheadConfig,
+    LookaheadConfigError,
+    is_lookahead,
+    split_speculative_config,
+)
+
+# Documented ranges (LookaheadConfig docstring). window_size = 0 turns the
+# Jacobi branch off and needs prompt_pool.
+RANGES = {
+    "ngram_size": (2, 16),
+    "window_size": (0, 64),
+    "guess_set_size": (1, 64),
+    "seed": (0, 2**63 - 1),
+}
+
+
+def _range_text(field):
+    lo, hi = RANGES[field]
+    return f"[{lo}, {hi}]"
+
+
+def test_defaults_valid():
+    cfg = LookaheadConfig()
+    assert (cfg.ngram_size, cfg.window_size, cfg.guess_set_size) == (4, 5, 5)
+    assert cfg.prompt_pool is True
+    assert cfg.seed == 0
+    assert cfg.max_draft_len == cfg.ngram_size
+    assert set(cfg.field_names()) == set(RANGES) | {"prompt_pool"}
+    assert LookaheadConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("field", sorted(RANGES))
+def test_range_bounds_accepted(field):
+    lo, hi = RANGES[field]
+    for v in (lo, hi):
+        cfg = LookaheadConfig(**{field: v})
+        assert getattr(cfg, field) == v
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("ngram_size", 1),
+        ("ngram_size", 0),
+        ("ngram_size", 17),
+        ("ngram_size", -4),
+        ("window_size", -1),
+        ("window_size", 65),
+        ("guess_set_size", 0),
+        ("guess_set_size", 65),
+        ("seed", -1),
+        ("seed", 2**63),
+    ],
+)
+def test_out_of_range_rejected(field, value):
+    with pytest.raises(LookaheadConfigError) as ei:
+        LookaheadConfig(**{field: value})
+    msg = str(ei.value)
+    assert field in msg
+    assert _range_text(field) in msg
+    assert str(value) in msg
+
+
+@pytest.mark.parametrize("field", sorted(RANGES))
+@pytest.mark.parametrize("value", ["5", 5.0, True, False, None, [5]])
+def test_wrong_type_rejected(field, value):
+    with pytest.raises(LookaheadConfigError) as ei:
+        LookaheadConfig(**{field: value})
+    msg = str(ei.value)
+    assert field in msg
+    assert _range_text(field) in msg
+
+
+@pytest.mark.parametrize("value", [1, 0, "true", "yes", None, 1.0])
+def test_prompt_pool_must_be_bool(value):
+    with pytest.raises(LookaheadConfigError) as ei:
+        LookaheadConfig(prompt_pool=value)
+    msg = str(ei.value)
+    assert "prompt_pool" in msg
+    assert "true/false" in msg or "bool" in msg
+
+
+def test_config_error_is_value_error():
+    assert issubclass(LookaheadConfigError, ValueError)
+
+
+def test_window_zero_needs_prompt_pool():
+    assert LookaheadConfig(window_size=0, prompt_pool=True).window_size == 0
+    with pytest.raises(LookaheadConfigError) as ei:
+        LookaheadConfig(window_size=0, prompt_pool=False)
+    assert "window_size" in str(ei.value) and "prompt_pool" in str(ei.value)
+
+
+def test_from_dict_unknown_key():
+    with pytest.raises(LookaheadConfigError) as ei:
+        LookaheadConfig.from_dict({"ngram_size": 4, "lookahead_levels": 3})
+    assert "lookahead_levels" in str(ei.value)
+
+
+def test_frozen():
+    cfg = LookaheadConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.ngram_size = 7  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------
+# split_speculative_config
+# --------------------------------------------------------------------------
+
+
+def test_is_lookahead():
+    assert is_lookahead({"method": METHOD})
+    assert not is_lookahead({"method": "ngram"})
+    assert not is_lookahead({})
+    assert not is_lookahead(None)
+    assert not is_lookahead("lookahead")
+
+
+def test_split_minimal():
+    spec = {"method": "lookahead"}
+    out = split_speculative_config(spec)
+    assert out.lookahead == LookaheadConfig()
+    assert out.vllm_kwargs == {
+        "method": "custom_class",
+        "model": PROPOSER_QUALNAME,
+        "num_speculative_tokens": LookaheadConfig().ngram_size,
+    }
+    assert spec == {"method": "lookahead"}  # input not mutated
+
+
+def test_proposer_qualname_importable_path():
+    assert PROPOSER_QUALNAME == "vllm_lookahead.proposer.LookaheadProposer"
+
+
+@pytest.mark.parametrize("n", [2, 3, 7, 16])
+def test_split_num_spec_tokens_default_is_n(n):
+    out = split_speculative_config({"method": "lookahead", "ngram_size": n})
+    assert out.lookahead.ngram_size == n
+    assert out.vllm_kwargs["num_speculative_tokens"] == n
+    # our own keys are not passed on to vLLM
+    assert "ngram_size" not in out.vllm_kwargs
+
+
+@pytest.mark.parametrize("n", [2, 4, 6])
+def test_split_num_spec_tokens_range(n):
+    for k in range(1, n + 1):
+        out = split_speculative_config(
+            {"method": "lookahead", "ngram_size": n, "num_speculative_tokens": k}
+        )
+        assert out.vllm_kwargs["num_speculative_tokens"] == k
+    for bad in (0, -1, n + 1, n + 10, "2", 2.0, True, 1.5):
+        with pytest.raises(LookaheadConfigError) as ei:
+            split_speculative_config(
+                {"method": "lookahead", "ngram_size": n, "num_speculative_tokens": bad}
+            )
+        msg = str(ei.value)
+        assert "num_speculative_tokens" in msg
+        assert f"[1, ngram_size={n}]" in msg
+
+
+@pytest.mark.parametrize(
+    "key", ["lookahead_level", "ngram", "model", "draft_tensor_parallel_size", "prompt_lookup_max"]
+)
+def test_split_unknown_key_rejected(key):
+    with pytest.raises(LookaheadConfigError) as ei:
+        split_speculative_config({"method": "lookahead", key: 3})
+    assert key in str(ei.value)
+
+
+def test_split_invalid_value_names_field():
+    with pytest.raises(LookaheadConfigError) as ei:
+        split_speculative_config({"method": "lookahead", "window-size": 100})
+    assert "window_size" in str(ei.value)
+    assert _range_text("window_size") in str(ei.value)
+
+
+def test_split_dashed_keys():
+    out = split_speculative_config(
+        {
+            "method": "lookahead",
+            "ngram-size": 6,
+            "window-size": 7,
+            "guess-set-size": 8,
+            "prompt-pool": False,
+            "num-speculative-tokens": 3,
+            "enforce-eager": True,
+        }
+    )
+    assert out.lookahead == LookaheadConfig(
+        ngram_size=6, window_size=7, guess_set_size=8, prompt_pool=False
+    )
+    assert out.vllm_kwargs["num_speculative_tokens"] == 3
+    assert out.vllm_kwargs["enforce_eager"] is True
+    assert not any("-" in k for k in out.vllm_kwargs)
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("enforce_eager", True),
+        ("rejection_sample_method", "standard"),
+    ],
+)
+def test_split_passthrough_kept(key, value):
+    assert key in PASSTHROUGH_KEYS
+    out = split_speculative_config({"method": "lookahead", key: value, "seed": 3})
+    assert out.vllm_kwargs[key] == value
+    assert out.vllm_kwargs["method"] == "custom_class"
+    assert out.vllm_kwargs["model"] == PROPOSER_QUALNAME
+    assert out.lookahead.seed == 3
+    assert "seed" not in out.vllm_kwargs
+
+
+def test_split_cannot_override_method_or_model():
+    out = split_speculative_config({"method": "lookahead", "enforce_eager": False})
+    assert out.vllm_kwargs["method"] == "custom_class"
+    with pytest.raises(LookaheadConfigError):
+        split_speculative_config({"method": "lookahead", "model": "some/draft"})
+
+
+# --------------------------------------------------------------------------
+# PASSTHROUGH_KEYS against the installed vLLM
+# --------------------------------------------------------------------------
+
+# Keys that the package passes through but that vLLM 0.32's SpeculativeConfig
+# does not have (see the report): passing them makes SpeculativeConfig(**kw)
+# fail with an unexpected keyword.
+
+
+def _spec_config_fields() -> set[str]:
+    from vllm.config import SpeculativeConfig
+
+    try:
+        return {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    except TypeError:  # pydantic model that is not a dataclass
+        return set(SpeculativeConfig.__dataclass_fields__)
+
+
+@pytest.fixture(scope="module")
+def spec_fields():
+    return _spec_config_fields()
+
+
+def test_speculative_config_fields_sanity(spec_fields):
+    # the fields our own kwargs use must exist (and the lookup must work)
+    assert {"method", "model", "num_speculative_tokens"} <= spec_fields
+
+
+@pytest.mark.parametrize("key", sorted(PASSTHROUGH_KEYS))
+def test_passthrough_keys_are_speculative_config_fields(key, spec_fields):
+    assert key in spec_fields, (
+        f"{key!r} is in PASSTHROUGH_KEYS but vLLM's SpeculativeConfig has no such field"
+    )

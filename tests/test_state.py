@@ -1,0 +1,400 @@
+"""Unit tests of the per-request lookahead state (vllm_lookahead.state)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from vllm_lookahead.attn_mask import build_tree, fill_tree_tokens
+from vllm_lookahead.state import (
+    SOURCE_PROMPT,
+    SOURCE_WINDOW,
+    JacobiWindow,
+    NGramPool,
+    RequestState,
+    choose_candidate,
+    request_seed,
+)
+
+# --------------------------------------------------------------------------
+# NGramPool
+# --------------------------------------------------------------------------
+
+
+def test_pool_get_newest_first_and_unknown_key():
+    pool = NGramPool(cap=4)
+    assert pool.get(1) == []
+    pool.add(1, (2, 3), SOURCE_PROMPT)
+    pool.add(1, (4, 5), SOURCE_WINDOW)
+    pool.add(1, (6, 7), SOURCE_PROMPT)
+    assert pool.get(1) == [
+        ((6, 7), 1, SOURCE_PROMPT),
+        ((4, 5), 1, SOURCE_WINDOW),
+        ((2, 3), 1, SOURCE_PROMPT),
+    ]
+    assert pool.get(2) == []
+    assert pool.get(6) == []  # continuation tokens are not keys
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_pool_cap_drops_oldest(cap):
+    pool = NGramPool(cap=cap)
+    conts = [(10 + i,) for i in range(cap + 2)]
+    for c in conts:
+        pool.add(7, c, SOURCE_WINDOW)
+    got = [c for c, _, _ in pool.get(7)]
+    assert got == list(reversed(conts))[:cap]
+    assert len(pool) == cap
+    assert pool.num_keys == 1
+
+
+def test_pool_readd_moves_to_newest_and_bumps_count_keeps_first_source():
+    pool = NGramPool(cap=3)
+    pool.add(1, (2,), SOURCE_PROMPT)
+    pool.add(1, (3,), SOURCE_WINDOW)
+    pool.add(1, (4,), SOURCE_WINDOW)
+    pool.add(1, (2,), SOURCE_WINDOW)  # re-add the oldest: it becomes newest
+    assert pool.get(1) == [
+        ((2,), 2, SOURCE_PROMPT),
+        ((4,), 1, SOURCE_WINDOW),
+        ((3,), 1, SOURCE_WINDOW),
+    ]
+    # a new continuation now evicts (3,), the oldest, not the re-added (2,)
+    pool.add(1, (5,), SOURCE_PROMPT)
+    assert [c for c, _, _ in pool.get(1)] == [(5,), (2,), (4,)]
+    pool.add(1, (2,), SOURCE_PROMPT)
+    assert pool.get(1)[0] == ((2,), 3, SOURCE_PROMPT)
+    assert len(pool) == 3
+
+
+def test_pool_len_and_num_keys():
+    pool = NGramPool(cap=2)
+    assert len(pool) == 0 and pool.num_keys == 0
+    pool.add(1, (2, 3), SOURCE_PROMPT)
+    pool.add(1, (2, 3), SOURCE_PROMPT)  # duplicate: no new entry
+    assert len(pool) == 1 and pool.num_keys == 1
+    pool.add(1, (2, 4), SOURCE_PROMPT)
+    pool.add(5, (2, 3), SOURCE_PROMPT)  # same continuation, other key
+    assert len(pool) == 3 and pool.num_keys == 2
+    pool.add(1, (9, 9), SOURCE_PROMPT)  # over cap for key 1
+    assert len(pool) == 3 and pool.num_keys == 2
+
+
+@pytest.mark.parametrize("cap", [0, -1])
+def test_pool_rejects_bad_cap(cap):
+    with pytest.raises(ValueError):
+        NGramPool(cap)
+
+
+@pytest.mark.parametrize("cap,seed", [(1, 0), (2, 1), (3, 2), (5, 3)])
+def test_pool_matches_reference_lru(cap, seed):
+    """Random adds against a straightforward list-based LRU model."""
+    rng = np.random.default_rng(seed)
+    pool = NGramPool(cap)
+    ref: dict[int, list[list]] = {}  # key -> [[cont, count, source]], newest first
+    for _ in range(400):
+        key = int(rng.integers(0, 4))
+        cont = tuple(int(x) for x in rng.integers(0, 3, size=2))
+        src = SOURCE_PROMPT if rng.random() < 0.5 else SOURCE_WINDOW
+        pool.add(key, cont, src)
+        lst = ref.setdefault(key, [])
+        for i, e in enumerate(lst):
+            if e[0] == cont:
+                e[1] += 1
+                lst.insert(0, lst.pop(i))
+                break
+        else:
+            lst.insert(0, [cont, 1, src])
+            del lst[cap:]
+        for k, entries in ref.items():
+            assert pool.get(k) == [tuple(e) for e in entries]
+    assert len(pool) == sum(len(v) for v in ref.values())
+    assert pool.num_keys == len(ref)
+
+
+# --------------------------------------------------------------------------
+# JacobiWindow
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,w", [(2, 1), (2, 5), (4, 5), (5, 15), (3, 1)])
+def test_random_init_deterministic_and_from_context(n, w):
+    context = np.array([11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23], dtype=np.int32)
+    a = JacobiWindow.random_init(n, w, context, seed=123)
+    b = JacobiWindow.random_init(n, w, context, seed=123)
+    assert a.levels.shape == (n - 1, w)
+    assert a.levels.dtype == np.int32
+    np.testing.assert_array_equal(a.levels, b.levels)
+    assert set(a.levels.ravel().tolist()) <= set(context.tolist())
+    assert a.steps == 0
+    assert a.warm == (n == 2)
+    # the levels are a copy: mutating them does not alias another window
+    a.levels[...] = -1
+    assert (b.levels != -1).all()
+
+
+def test_random_init_seed_matters_and_covers_context():
+    context = np.arange(1000, 1050, dtype=np.int32)
+    a = JacobiWindow.random_init(5, 15, context, seed=1).levels
+    b = JacobiWindow.random_init(5, 15, context, seed=2).levels
+    assert not np.array_equal(a, b)
+    # 60 draws out of 50 tokens: not all the same token (it really samples)
+    assert len(set(a.ravel().tolist())) > 10
+
+
+def test_random_init_single_token_and_empty_context():
+    w1 = JacobiWindow.random_init(4, 3, np.array([42]), seed=0)
+    assert (w1.levels == 42).all()
+    w0 = JacobiWindow.random_init(4, 3, np.array([], dtype=np.int32), seed=0)
+    assert w0.levels.shape == (3, 3)
+    assert (w0.levels == 0).all()
+
+
+def _coded_window(n, w):
+    """levels[l, j] = 1000 * (l + 1) + j: every cell distinguishable."""
+    lv = np.array([[1000 * (lvl + 1) + j for j in range(w)] for lvl in range(n - 1)])
+    return JacobiWindow(n, w, lv.ravel())
+
+
+WINDOW_SIZES = [(2, 1), (2, 4), (3, 1), (3, 3), (4, 5), (5, 2), (6, 4)]
+
+
+@pytest.mark.parametrize("n,w", WINDOW_SIZES)
+def test_columns(n, w):
+    win = _coded_window(n, w)
+    lv = win.levels.copy()
+    root = 7
+    new = np.array([90_000 + j for j in range(w)])
+    cols = win.columns(root, new)
+    trunk = [root] + [int(lv[0, j]) for j in range(w - 1)]  # B0
+    assert len(cols) == w
+    for j, (key, cont) in enumerate(cols):
+        assert key == trunk[j]
+        expect = tuple(int(lv[lvl, j]) for lvl in range(1, n - 1)) + (90_000 + j,)
+        assert cont == expect
+        assert len(cont) == n - 1
+        assert isinstance(key, int) and all(isinstance(t, int) for t in cont)
+    np.testing.assert_array_equal(win.levels, lv)  # columns() does not mutate
+    assert win.steps == 0
+
+
+@pytest.mark.parametrize("n,w", WINDOW_SIZES)
+def test_shift(n, w):
+    win = _coded_window(n, w)
+    old = win.levels.copy()
+    new = np.array([90_000 + j for j in range(w)])
+    win.shift(new)
+    lv = win.levels
+    if n == 2:
+        # the only level is L0 = newest: L0 <- new[1:]
+        np.testing.assert_array_equal(lv[0, : w - 1], new[1:])
+    else:
+        np.testing.assert_array_equal(lv[0, : w - 1], old[1, 1:])  # L0 <- L1[1:]
+        for lvl in range(1, n - 2):
+            np.testing.assert_array_equal(lv[lvl], old[lvl + 1])  # L_l <- L_{l+1}
+        np.testing.assert_array_equal(lv[n - 2], new)  # newest <- new
+    assert win.steps == 1
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6])
+def test_warm_after_n_minus_2_steps(n):
+    win = _coded_window(n, 3)
+    for s in range(n + 2):
+        assert win.steps == s
+        assert win.warm == (s >= n - 2)
+        win.shift(np.array([1, 2, 3]))
+
+
+@pytest.mark.parametrize("n,w", [(2, 1), (2, 4), (3, 1), (3, 5), (4, 5), (5, 7), (6, 3)])
+def test_jacobi_fixed_point_harvests_true_ngrams(n, w):
+    """Simulate the proposer's loop with a deterministic position-only model.
+
+    The "model" predicts, at every tree node, the token of a known sequence S
+    at (node position + 1): whatever a node's prefix, the next token is
+    S[len(prefix)]. Each step accepts exactly one token (the root advances by
+    one position). Once the window has gone through N-1 Jacobi steps, every
+    column n-gram (B0[j], B_1[j], ..., B_{N-2}[j], new[j]) must be a true
+    n-gram S[q : q+N] of the sequence.
+    """
+    rng = np.random.default_rng(n * 100 + w)
+    seq = rng.integers(0, 50_000, size=400).astype(np.int64)
+    p0 = 20
+    prompt = seq[: p0 + 1]
+    win = JacobiWindow.random_init(n, w, prompt, seed=5)
+    pool = NGramPool(cap=1000)
+    g = 0
+    lay = build_tree(n, w, g)
+    cands = np.zeros((0, n - 1), dtype=np.int32)
+    harvested_true = set()
+    steps = 3 * n + 10
+    for step in range(steps):
+        p = p0 + step
+        x = int(seq[p])
+        toks = fill_tree_tokens(lay, x, win.levels, cands)
+        positions = p + lay.depth
+        assert toks[0] == x
+        pred = seq[positions + 1]  # the model's argmax at every node
+        new = pred[lay.newest_level]
+        cols = win.columns(x, new)
+        if step >= n - 1:
+            # The tree tokens themselves sit at their true positions...
+            np.testing.assert_array_equal(toks, seq[positions])
+            # ... and every column is a true n-gram at positions p+j .. p+j+N-1.
+            for j, (key, cont) in enumerate(cols):
+                assert (key, *cont) == tuple(int(t) for t in seq[p + j : p + j + n])
+                harvested_true.add((key, cont))
+        if win.warm:
+            for key, cont in cols:
+                pool.add(key, cont, SOURCE_WINDOW)
+        win.shift(new)
+    # every true n-gram starting in the window's span over the converged steps
+    # is in the pool
+    for q in range(p0 + n - 1, p0 + steps):
+        key, cont = int(seq[q]), tuple(int(t) for t in seq[q + 1 : q + n])
+        assert any(c == cont for c, _, _ in pool.get(key)), q
+    assert len(harvested_true) >= steps - n
+
+
+# --------------------------------------------------------------------------
+# RequestState.add_context_ngrams
+# --------------------------------------------------------------------------
+
+
+def _pool_snapshot(pool: NGramPool, keys):
+    return {k: pool.get(k) for k in keys}
+
+
+def _new_state(n, cap=1000):
+    return RequestState(
+        window=JacobiWindow(n, 2, np.zeros((n - 1) * 2, dtype=np.int32)),
+        pool=NGramPool(cap),
+    )
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+@pytest.mark.parametrize(
+    "uptos",
+    [[5, 9, 9, 20], [20], [1, 2, 3, 20], list(range(0, 21)), [3, 4, 11, 12, 20, 20]],
+)
+def test_add_context_ngrams_incremental_equals_one_call(n, uptos):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 4, size=32).astype(np.int32)  # small vocab: repeats
+    once = _new_state(n)
+    once.add_context_ngrams(tokens, n, 20)
+    inc = _new_state(n)
+    for u in uptos:
+        inc.add_context_ngrams(tokens, n, u)
+    keys = range(4)
+    assert _pool_snapshot(inc.pool, keys) == _pool_snapshot(once.pool, keys)
+    assert inc.pooled_upto == once.pooled_upto == 20
+
+    # each n-gram of tokens[:20] added exactly once: its count equals the
+    # number of its occurrences, and nothing from tokens[20:] leaked in
+    occ: dict[tuple, int] = {}
+    t = tokens[:20].tolist()
+    for i in range(len(t) - n + 1):
+        ng = tuple(t[i : i + n])
+        occ[ng] = occ.get(ng, 0) + 1
+    got = {}
+    for k in keys:
+        for cont, count, src in once.pool.get(k):
+            assert src == SOURCE_PROMPT
+            got[(k, *cont)] = count
+    assert got == occ
+
+
+def test_add_context_ngrams_exact_entries():
+    st = _new_state(3)
+    toks = np.array([1, 2, 3, 1, 2, 4, 9], dtype=np.int32)
+    st.add_context_ngrams(toks, 3, 2)  # fewer than n tokens: nothing yet
+    assert len(st.pool) == 0
+    st.add_context_ngrams(toks, 3, 4)
+    assert st.pool.get(1) == [((2, 3), 1, SOURCE_PROMPT)]
+    assert st.pool.get(2) == [((3, 1), 1, SOURCE_PROMPT)]
+    assert len(st.pool) == 2
+    st.add_context_ngrams(toks, 3, 6)
+    assert st.pool.get(1) == [((2, 4), 1, SOURCE_PROMPT), ((2, 3), 1, SOURCE_PROMPT)]
+    assert st.pool.get(3) == [((1, 2), 1, SOURCE_PROMPT)]
+    assert len(st.pool) == 4
+    # a smaller upto later never re-adds nor rewinds
+    st.add_context_ngrams(toks, 3, 3)
+    assert len(st.pool) == 4 and st.pooled_upto == 6
+    assert st.pool.get(1)[0][1] == 1
+
+
+# --------------------------------------------------------------------------
+# request_seed
+# --------------------------------------------------------------------------
+
+
+def test_request_seed_depends_on_prompt_and_base_seed():
+    prompt = np.array([5, 6, 7, 8, 9], dtype=np.int32)
+    s = request_seed(0, prompt)
+    assert isinstance(s, int) and 0 <= s < 2**32
+    assert request_seed(0, prompt.copy()) == s
+    assert request_seed(0, [5, 6, 7, 8, 9]) == s
+    assert request_seed(0, prompt.astype(np.int64)) == s  # same tokens, other dtype
+    assert request_seed(1, prompt) != s
+    assert request_seed(12345, prompt) != request_seed(12346, prompt)
+    assert request_seed(0, np.array([5, 6, 7, 8, 10])) != s
+    assert request_seed(0, np.array([5, 6, 7, 8])) != s
+    assert request_seed(0, np.array([6, 5, 7, 8, 9])) != s
+    # many prompts give many different seeds
+    seeds = {request_seed(3, np.array([i, i + 1])) for i in range(200)}
+    assert len(seeds) == 200
+
+
+_SEED_SNIPPET = (
+    "import numpy as np; from vllm_lookahead.state import request_seed; "
+    "print(request_seed(7, np.array([3, 1, 4, 1, 5, 9, 2, 6])))"
+)
+
+
+def test_request_seed_stable_across_processes():
+    """Every TP rank (a separate process) must derive the same seed."""
+    here = request_seed(7, np.array([3, 1, 4, 1, 5, 9, 2, 6]))
+    outs = set()
+    for hashseed in ("0", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=hashseed)
+        r = subprocess.run(
+            [sys.executable, "-c", _SEED_SNIPPET],
+            capture_output=True, text=True, env=env, check=True, timeout=60,
+        )
+        outs.add(int(r.stdout.strip().splitlines()[-1]))
+    assert outs == {here}
+
+
+# --------------------------------------------------------------------------
+# choose_candidate
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "matches,counts,expect",
+    [
+        ([], [], -1),
+        ([0], [1], 0),
+        ([1, 3, 2], [9, 1, 9], 1),  # longest match wins over count
+        ([2, 2, 1], [1, 5, 9], 1),  # tie on match: most often seen
+        ([2, 2, 2], [4, 4, 4], 0),  # full tie: lowest index (newest)
+        ([0, 2, 2], [9, 3, 3], 1),  # tie after the leader: first of them
+        ([0, 0, 0], [1, 3, 2], 1),  # no match anywhere: still by count
+        ([1, 3, 3, 3], [1, 2, 7, 7], 2),
+    ],
+)
+def test_choose_candidate(matches, counts, expect):
+    assert choose_candidate(matches, counts) == expect
+
+
+def test_choose_candidate_random_against_reference():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        k = int(rng.integers(1, 8))
+        m = rng.integers(0, 4, size=k).tolist()
+        c = rng.integers(1, 4, size=k).tolist()
+        best = max(range(k), key=lambda i: (m[i], c[i], -i))
+        assert choose_candidate(m, c) == best

@@ -1,0 +1,394 @@
+"""Tree attention over vLLM's paged CPU KV cache (vllm_lookahead.tree_attention).
+
+(a) ``probe_block_layout`` + ``gather_kv`` read back exactly what vLLM's own
+    CPU cache writer stored (and what deliberately odd fake writers stored).
+(b) ``tree_attention`` over a paged cache equals a dense reference that
+    explicitly recomputes, for every tree node, the causal sequence
+    prefix + (the node's ancestor chain, root first, ending at the node).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_lookahead.attn_mask import build_tree
+from vllm_lookahead.tree_attention import (
+    gather_kv,
+    probe_block_layout,
+    split_cache,
+    tree_attention,
+)
+
+ops = pytest.importorskip("vllm._custom_ops")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Many tiny matmuls: with several OpenMP threads on a loaded 2-core
+    machine they are ~100x slower than on one thread."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _vllm_writer(isa: str):
+    def write_fn(k, v, cache, slots):
+        ops.cpu_attn_reshape_and_cache(
+            k, v, *split_cache(cache), slots, isa, k_scale=1.0, v_scale=1.0,
+            kv_cache_dtype="auto",
+        )
+
+    return write_fn
+
+
+def _amx_ok() -> bool:
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except Exception:
+        return False
+
+
+WRITERS = [
+    pytest.param(torch.float32, "vec", id="fp32-vec"),
+    pytest.param(torch.bfloat16, "vec", id="bf16-vec"),
+    pytest.param(
+        torch.bfloat16,
+        "amx",
+        id="bf16-amx",
+        marks=pytest.mark.skipif(not _amx_ok(), reason="no AMX tiles on this CPU"),
+    ),
+]
+
+
+def _slots(block_ids, length, bs):
+    t = torch.arange(length)
+    return (torch.as_tensor(block_ids, dtype=torch.int64)[t // bs] * bs + t % bs).long()
+
+
+# --------------------------------------------------------------------------
+# (a) layout probe + gather round trip
+# --------------------------------------------------------------------------
+
+# sequences: (length, block ids) with non-contiguous, out-of-order blocks and
+# partial last blocks
+SEQS = [(300, [5, 1, 6]), (128, [3]), (129, [0, 7]), (1, [2]), (257, [9, 4, 8])]
+
+
+@pytest.mark.parametrize("dtype,isa", WRITERS)
+def test_gather_roundtrip_vllm_cpu_writer(dtype, isa):
+    bs, kvh, hd, nb = 128, 2, 64, 10
+    write_fn = _vllm_writer(isa)
+    layout = probe_block_layout(bs, kvh, hd, dtype, write_fn)
+    assert layout.k_perm.shape == (bs * hd,) and layout.v_perm.shape == (bs * hd,)
+    g = torch.Generator().manual_seed(0)
+    # garbage everywhere first, so a wrong block or offset cannot read zeros
+    cache = torch.randn(nb, kvh, bs, 2 * hd, generator=g).to(dtype)
+    written = []
+    for length, blocks in SEQS:
+        k = torch.randn(length, kvh, hd, generator=g).to(dtype)
+        v = torch.randn(length, kvh, hd, generator=g).to(dtype)
+        write_fn(k, v, cache, _slots(blocks, length, bs))
+        written.append((k, v))
+    for (length, blocks), (k, v) in zip(SEQS, written):
+        # block table may be longer than needed (vLLM pads it)
+        table = torch.tensor(blocks + [0, 0], dtype=torch.int32)
+        gk, gv = gather_kv(cache, table, length, layout)
+        assert gk.shape == (kvh, length, hd) and gv.shape == (kvh, length, hd)
+        assert gk.dtype == dtype
+        assert torch.equal(gk, k.transpose(0, 1)), (length, blocks)
+        assert torch.equal(gv, v.transpose(0, 1)), (length, blocks)
+        # a prefix of the sequence reads back as the prefix
+        gk2, gv2 = gather_kv(cache, table, length // 2 + 1, layout)
+        assert torch.equal(gk2, k.transpose(0, 1)[:, : length // 2 + 1])
+        assert torch.equal(gv2, v.transpose(0, 1)[:, : length // 2 + 1])
+    # returned tensors are copies: editing them leaves the cache alone
+    before = cache.clone()
+    gk, gv = gather_kv(cache, torch.tensor([5, 1, 6]), 300, layout)
+    gk.fill_(0)
+    gv.fill_(0)
+    assert torch.equal(cache, before)
+
+
+def test_gather_empty():
+    cache = torch.randn(2, 2, 16, 2 * 8)
+    layout = probe_block_layout(16, 2, 8, torch.float32, _fake_weird_writer)
+    k, v = gather_kv(cache, torch.tensor([1]), 0, layout)
+    assert k.shape == (2, 0, 8) and v.shape == (2, 0, 8)
+
+
+# -- fake backends with other layouts ---------------------------------------
+
+
+def _fake_weird_writer(k, v, cache, slots):
+    """K stored transposed ([hd, bs] per block/head), V in reversed order."""
+    nb, kvh, bs, two_hd = cache.shape
+    hd = two_hd // 2
+    region = cache.view(nb, kvh, 2, bs * hd)
+    for i, s in enumerate(slots.tolist()):
+        b, t = divmod(s, bs)
+        for d in range(hd):
+            region[b, :, 0, d * bs + t] = k[i, :, d]
+            region[b, :, 1, bs * hd - 1 - (t * hd + d)] = v[i, :, d]
+
+
+def _fake_head_mixing_writer(k, v, cache, slots):
+    """Stores head h's data in head h+1 (mod kvh): unsupported."""
+    nb, kvh, bs, _ = cache.shape
+    kc, vc = split_cache(cache)
+    for i, s in enumerate(slots.tolist()):
+        b, t = divmod(s, bs)
+        kc[b, :, t] = k[i].roll(1, dims=0)
+        vc[b, :, t] = v[i].roll(1, dims=0)
+
+
+def _fake_per_head_layout_writer(k, v, cache, slots):
+    """Head 0 plain, head 1 with K transposed: the layout differs per head."""
+    nb, kvh, bs, two_hd = cache.shape
+    hd = two_hd // 2
+    region = cache.view(nb, kvh, 2, bs * hd)
+    for i, s in enumerate(slots.tolist()):
+        b, t = divmod(s, bs)
+        for h in range(kvh):
+            for d in range(hd):
+                ko = d * bs + t if h == 1 else t * hd + d
+                region[b, h, 0, ko] = k[i, h, d]
+                region[b, h, 1, t * hd + d] = v[i, h, d]
+
+
+def _fake_lossy_writer(k, v, cache, slots):
+    """Tokens 2i and 2i+1 land in the same place: not a permutation."""
+    nb, kvh, bs, _ = cache.shape
+    kc, vc = split_cache(cache)
+    for i, s in enumerate(slots.tolist()):
+        b, t = divmod(s, bs)
+        kc[b, :, t - t % 2] = k[i]
+        vc[b, :, t - t % 2] = v[i]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_probe_is_general_weird_layout(dtype):
+    bs, kvh, hd, nb = 16, 2, 8, 5
+    layout = probe_block_layout(bs, kvh, hd, dtype, _fake_weird_writer)
+    ident = torch.arange(bs * hd)
+    assert not torch.equal(layout.k_perm, ident)
+    assert not torch.equal(layout.v_perm, ident)
+    # K[t, d] at d * bs + t; V[t, d] at the mirrored offset
+    t, d = 3, 5
+    assert layout.k_perm[t * hd + d] == d * bs + t
+    assert layout.v_perm[t * hd + d] == bs * hd - 1 - (t * hd + d)
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn(nb, kvh, bs, 2 * hd, generator=g).to(dtype)
+    length, blocks = 40, [4, 0, 2]
+    k = torch.randn(length, kvh, hd, generator=g).to(dtype)
+    v = torch.randn(length, kvh, hd, generator=g).to(dtype)
+    _fake_weird_writer(k, v, cache, _slots(blocks, length, bs))
+    gk, gv = gather_kv(cache, torch.tensor(blocks), length, layout)
+    assert torch.equal(gk, k.transpose(0, 1))
+    assert torch.equal(gv, v.transpose(0, 1))
+    # the plain layout would NOT read it back (the probe matters)
+    plain = probe_block_layout(bs, kvh, hd, dtype, _fake_plain_writer)
+    pk, _ = gather_kv(cache, torch.tensor(blocks), length, plain)
+    assert not torch.equal(pk, k.transpose(0, 1))
+
+
+def _fake_plain_writer(k, v, cache, slots):
+    nb, kvh, bs, _ = cache.shape
+    kc, vc = split_cache(cache)
+    for i, s in enumerate(slots.tolist()):
+        b, t = divmod(s, bs)
+        kc[b, :, t] = k[i]
+        vc[b, :, t] = v[i]
+
+
+@pytest.mark.parametrize(
+    "writer", [_fake_head_mixing_writer, _fake_per_head_layout_writer, _fake_lossy_writer]
+)
+def test_probe_rejects_unsupported_layouts(writer):
+    with pytest.raises(RuntimeError):
+        probe_block_layout(8, 2, 4, torch.float32, writer)
+
+
+# --------------------------------------------------------------------------
+# (b) tree attention == explicit per-node recomputation
+# --------------------------------------------------------------------------
+
+H, KVH, D, DM, VOCAB, MAXPOS, BS = 4, 2, 32, 48, 97, 512, 128
+
+
+class ToyAttention:
+    """One attention layer: token + learned position embedding, then Wq/Wk/Wv
+    (GQA: H query heads over KVH key/value heads), float32."""
+
+    def __init__(self, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.emb = torch.randn(VOCAB, DM, generator=g)
+        self.pos = torch.randn(MAXPOS, DM, generator=g)
+        self.wq = torch.randn(DM, H * D, generator=g) / math.sqrt(DM)
+        self.wk = torch.randn(DM, KVH * D, generator=g) / math.sqrt(DM)
+        self.wv = torch.randn(DM, KVH * D, generator=g) / math.sqrt(DM)
+
+    def qkv(self, tokens, positions):
+        x = self.emb[torch.as_tensor(tokens).long()] + self.pos[torch.as_tensor(positions).long()]
+        n = x.shape[0]
+        return (
+            (x @ self.wq).view(n, H, D),
+            (x @ self.wk).view(n, KVH, D),
+            (x @ self.wv).view(n, KVH, D),
+        )
+
+
+def _reference_last_row(model, tokens, scale, sliding_window=-1, softcap=0.0):
+    """Plain causal attention over an explicit sequence at positions 0..n-1;
+    output of the last query row, [H, D]. Written without tree_attention."""
+    n = len(tokens)
+    q, k, v = model.qkv(tokens, list(range(n)))
+    qi = q[-1]  # [H, D]
+    out = torch.empty(H, D)
+    group = H // KVH
+    for h in range(H):
+        kh, vh = k[:, h // group], v[:, h // group]  # [n, D]
+        s = (kh @ qi[h]) * scale  # [n]
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        if sliding_window > 0:
+            s = s[-sliding_window:]
+            vh = vh[-sliding_window:]
+        out[h] = torch.softmax(s, dim=0) @ vh
+    return out
+
+
+def _chain(parents, i):
+    chain = [i]
+    while parents[chain[-1]] >= 0:
+        chain.append(int(parents[chain[-1]]))
+    return chain[::-1]  # root first, ending at i
+
+
+def _fp32_paged_cache(model, prefix, seed):
+    """Write the prefix's K/V through vLLM's fp32 CPU writer into scattered
+    blocks; return (cache, block table, layout)."""
+    length = len(prefix)
+    write_fn = _vllm_writer("vec")
+    layout = probe_block_layout(BS, KVH, D, torch.float32, write_fn)
+    nblk = -(-length // BS)
+    rng = np.random.default_rng(seed)
+    total_blocks = nblk + 5
+    blocks = rng.permutation(total_blocks)[:nblk].tolist()
+    cache = torch.randn(total_blocks, KVH, BS, 2 * D, generator=torch.Generator().manual_seed(seed))
+    if length:
+        _, k, v = model.qkv(prefix, list(range(length)))
+        write_fn(k.contiguous(), v.contiguous(), cache, _slots(blocks, length, BS))
+    return cache, torch.tensor(blocks + [0], dtype=torch.int32), layout
+
+
+def _run_tree(n, w, g, length, seed, scale=None, sliding_window=-1, softcap=0.0):
+    model = ToyAttention(seed)
+    rng = np.random.default_rng(seed + 1)
+    prefix = rng.integers(0, VOCAB, size=length).tolist()
+    cache, table, layout = _fp32_paged_cache(model, prefix, seed)
+    ctx_k, ctx_v = gather_kv(cache, table, length, layout)
+
+    tree = build_tree(n, w, g)
+    t = tree.num_nodes
+    tree_tokens = rng.integers(0, VOCAB, size=t).tolist()
+    positions = torch.as_tensor(length + tree.depth.astype(np.int64))
+    q, k, v = model.qkv(tree_tokens, positions)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    out = tree_attention(
+        q, k, v, ctx_k, ctx_v, torch.tensor(tree.mask), positions, scale,
+        sliding_window=sliding_window, softcap=softcap,
+    )
+    assert out.shape == (t, H, D) and out.dtype == torch.float32
+
+    refs = torch.empty(t, H, D)
+    for i in range(t):
+        seq = prefix + [tree_tokens[j] for j in _chain(tree.parents, i)]
+        # the chain sits at positions L, L+1, ..., L+depth(i): contiguous
+        assert len(seq) == length + int(tree.depth[i]) + 1
+        refs[i] = _reference_last_row(model, seq, scale, sliding_window, softcap)
+    return out, refs
+
+
+TREE_SIZES = [(2, 1, 0), (2, 3, 2), (3, 4, 0), (4, 5, 3), (5, 7, 4), (3, 1, 3), (4, 0, 3)]
+
+
+@pytest.mark.parametrize("n,w,g", TREE_SIZES)
+@pytest.mark.parametrize("length", [150, 300])
+def test_tree_attention_equals_dense_recomputation(n, w, g, length):
+    out, refs = _run_tree(n, w, g, length, seed=n * 31 + w * 7 + g + length)
+    torch.testing.assert_close(out, refs, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_attention_large_tree():
+    out, refs = _run_tree(5, 15, 15, 150, seed=3)
+    torch.testing.assert_close(out, refs, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_attention_empty_prefix():
+    out, refs = _run_tree(4, 3, 2, 0, seed=4)
+    torch.testing.assert_close(out, refs, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_attention_detects_wrong_mask():
+    """Sanity check of the reference: a node attending to a sibling branch
+    gives a different answer, so the comparison above has teeth."""
+    n, w, g, length = 4, 3, 2, 150
+    model = ToyAttention(0)
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, VOCAB, size=length).tolist()
+    cache, table, layout = _fp32_paged_cache(model, prefix, 0)
+    ctx_k, ctx_v = gather_kv(cache, table, length, layout)
+    tree = build_tree(n, w, g)
+    toks = rng.integers(0, VOCAB, size=tree.num_nodes).tolist()
+    pos = torch.as_tensor(length + tree.depth.astype(np.int64))
+    q, k, v = model.qkv(toks, pos)
+    good = tree_attention(q, k, v, ctx_k, ctx_v, torch.tensor(tree.mask), pos, D**-0.5)
+    causal = torch.ones(tree.num_nodes, tree.num_nodes, dtype=torch.bool).tril()
+    bad = tree_attention(q, k, v, ctx_k, ctx_v, causal, pos, D**-0.5)
+    assert torch.equal(good[0], bad[0])  # the root sees only itself either way
+    assert (good - bad).abs().amax() > 1e-3
+
+
+@pytest.mark.parametrize("window", [1, 5, 60, 151, 1000])
+@pytest.mark.parametrize("n,w,g", [(4, 5, 3), (2, 3, 1), (3, 2, 0)])
+def test_tree_attention_sliding_window(window, n, w, g):
+    out, refs = _run_tree(n, w, g, 150, seed=window + n, sliding_window=window)
+    torch.testing.assert_close(out, refs, atol=1e-5, rtol=1e-5)
+    if window < 150:
+        full, _ = _run_tree(n, w, g, 150, seed=window + n)
+        assert (full - out).abs().amax() > 1e-4  # the window really applies
+
+
+@pytest.mark.parametrize("softcap", [0.5, 3.0, 30.0])
+def test_tree_attention_softcap(softcap):
+    # a large scale makes raw scores big enough for the cap to matter
+    out, refs = _run_tree(4, 5, 3, 150, seed=11, scale=1.0, softcap=softcap)
+    torch.testing.assert_close(out, refs, atol=1e-5, rtol=1e-5)
+    plain, _ = _run_tree(4, 5, 3, 150, seed=11, scale=1.0)
+    assert (plain - out).abs().amax() > 1e-4
+
+
+def test_tree_attention_softcap_and_window_together():
+    out, refs = _run_tree(5, 4, 2, 300, seed=12, scale=0.5, sliding_window=40, softcap=2.0)
+    torch.testing.assert_close(out, refs, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_attention_keeps_query_dtype():
+    model = ToyAttention(0)
+    tree = build_tree(3, 2, 1)
+    pos = torch.as_tensor(10 + tree.depth.astype(np.int64))
+    q, k, v = model.qkv(list(range(tree.num_nodes)), pos)
+    _, ck, cv = model.qkv(list(range(10)), list(range(10)))
+    ck, cv = ck.transpose(0, 1), cv.transpose(0, 1)
+    m = torch.tensor(tree.mask)
+    ref = tree_attention(q, k, v, ck, cv, m, pos, D**-0.5)
+    out = tree_attention(
+        q.bfloat16(), k.bfloat16(), v.bfloat16(), ck.bfloat16(), cv.bfloat16(), m, pos, D**-0.5
+    )
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=5e-2, rtol=5e-2)
