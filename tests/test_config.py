@@ -234,9 +234,6 @@ def test_split_cannot_override_method_or_model():
 # PASSTHROUGH_KEYS against the installed vLLM
 # --------------------------------------------------------------------------
 
-# Keys that the package passes through but that vLLM 0.32's SpeculativeConfig
-# does not have (see the report): passing them makes SpeculativeConfig(**kw)
-# fail with an unexpected keyword.
 
 
 def _spec_config_fields() -> set[str]:

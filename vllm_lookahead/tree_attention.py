@@ -96,29 +96,64 @@ def probe_block_layout(
     return BlockLayout(bs, hd, perm(tk, dk), perm(tv, dv))
 
 
+def gather_index(
+    block_ids: torch.Tensor,
+    length: int,
+    num_kv_heads: int,
+    layout: BlockLayout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat element indices of one sequence's first ``length`` tokens.
+
+    The indices address a contiguous ``[num_blocks, kv_heads, block_size,
+    2 * head_size]`` cache viewed as 1-D, and are the same for every layer
+    whose cache has this shape and layout: build them once per step.
+
+    Returns:
+        idx_k, idx_v: int64 ``[kv_heads, length, head_size]``.
+    """
+    bs, hd, kvh = layout.block_size, layout.head_size, num_kv_heads
+    t = torch.arange(length)
+    blk = block_ids.long()[t // bs]  # [L]
+    off = (t % bs) * hd  # [L]
+    heads = torch.arange(kvh).view(kvh, 1, 1)
+    # start of (block, head)'s K half; the V half follows it.
+    base = (blk.view(1, length, 1) * kvh + heads) * (2 * bs * hd)  # [kvh, L, 1]
+    d = torch.arange(hd).view(1, 1, hd)
+    within = off.view(1, length, 1) + d  # [1, L, hd]: t * hd + d
+    idx_k = base + layout.k_perm[within]
+    idx_v = base + bs * hd + layout.v_perm[within]
+    return idx_k, idx_v
+
+
+def take_kv(
+    kv_cache: torch.Tensor,
+    index: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense K and V of one sequence (copies), ``[kv_heads, length, head_size]``.
+
+    Args:
+        kv_cache: contiguous ``[num_blocks, kv_heads, block_size, 2 * head_size]``.
+        index: from :func:`gather_index`.
+    """
+    flat = kv_cache.view(-1)
+    idx_k, idx_v = index
+    k = flat.index_select(0, idx_k.view(-1)).view(idx_k.shape)
+    v = flat.index_select(0, idx_v.view(-1)).view(idx_v.shape)
+    return k, v
+
+
 def gather_kv(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int, layout: BlockLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K and V of the first ``length`` tokens of one sequence.
 
     Args:
-        kv_cache: ``[num_blocks, kv_heads, block_size, 2 * head_size]``.
+        kv_cache: contiguous ``[num_blocks, kv_heads, block_size, 2 * head_size]``.
         block_ids: int [>= ceil(length / block_size)], the sequence's blocks.
     Returns:
         K, V: ``[kv_heads, length, head_size]`` (copies).
     """
-    nb_all, kvh, bs, _ = kv_cache.shape
-    hd = layout.head_size
-    nb = -(-length // bs)
-    if nb == 0:
-        empty = kv_cache.new_empty(kvh, 0, hd)
-        return empty, empty
-    region = kv_cache.view(nb_all, kvh, 2, bs * hd)[block_ids[:nb].long()]
-    k = region[:, :, 0].index_select(-1, layout.k_perm).view(nb, kvh, bs, hd)
-    v = region[:, :, 1].index_select(-1, layout.v_perm).view(nb, kvh, bs, hd)
-    k = k.transpose(0, 1).reshape(kvh, nb * bs, hd)[:, :length]
-    v = v.transpose(0, 1).reshape(kvh, nb * bs, hd)[:, :length]
-    return k, v
+    return take_kv(kv_cache, gather_index(block_ids, length, kv_cache.shape[1], layout))
 
 
 def tree_attention(

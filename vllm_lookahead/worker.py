@@ -21,8 +21,9 @@ from vllm.logger import init_logger
 
 from vllm_lookahead.tree_attention import (
     BlockLayout,
-    gather_kv,
+    gather_index,
     probe_block_layout,
+    take_kv,
     tree_attention,
 )
 
@@ -56,7 +57,20 @@ class TreeAttnMetadata:
     context_lens: list[int]
     masks: list[torch.Tensor]
     positions: torch.Tensor  # int64 [total]
+    #: (kv group, layout) -> per request (idx_k, idx_v) from gather_index,
+    #: built on first use and shared by every layer of that group and layout.
+    gather: dict
     block_ids: list[list[torch.Tensor]]  # [kv group][request] -> int block ids
+
+    def gather_indices(self, group: int, layout: BlockLayout, num_kv_heads: int) -> list:
+        key = (group, id(layout))
+        idx = self.gather.get(key)
+        if idx is None:
+            idx = self.gather[key] = [
+                gather_index(b, n, num_kv_heads, layout)
+                for b, n in zip(self.block_ids[group], self.context_lens)
+            ]
+        return idx
 
 
 class TreeAttentionImpl:
@@ -82,9 +96,10 @@ class TreeAttentionImpl:
         softcap = float(getattr(inner, "logits_soft_cap", 0) or 0)
         window = getattr(inner, "sliding_window", -1)
         window = -1 if window is None else int(window)
+        indices = m.gather_indices(self._group, self._layout, kv_cache.shape[1])
         for r in range(len(m.starts)):
             s, e = m.starts[r], m.ends[r]
-            ck, cv = gather_kv(kv_cache, m.block_ids[self._group][r], m.context_lens[r], self._layout)
+            ck, cv = take_kv(kv_cache, indices[r])
             output[s:e] = tree_attention(
                 query[s:e],
                 key[s:e],
@@ -149,6 +164,8 @@ class LookaheadWorker:
             kv = layer.kv_cache
             if isinstance(kv, (list, tuple)):
                 kv = kv[0]
+            if not kv.is_contiguous():
+                raise NotImplementedError(f"lookahead: non-contiguous KV cache in layer {name}")
             _, kvh, bs, two_hd = kv.shape
             isa = getattr(layer, "isa", None)
             key = (kv.dtype, kvh, bs, two_hd // 2, isa)
@@ -194,8 +211,9 @@ class LookaheadWorker:
             starts=starts,
             ends=ends,
             context_lens=[r.context_len for r in requests],
-            masks=[torch.from_numpy(r.mask) for r in requests],
+            masks=[torch.from_numpy(np.ascontiguousarray(r.mask)).clone() for r in requests],
             positions=positions,
+            gather={},
             block_ids=[[b[g] for b in per_req_blocks] for g in range(self.num_groups)],
         )
         model = self.runner.model
