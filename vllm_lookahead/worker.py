@@ -211,7 +211,7 @@ class LookaheadWorker:
             starts=starts,
             ends=ends,
             context_lens=[r.context_len for r in requests],
-            masks=[torch.from_numpy(np.ascontiguousarray(r.mask)).clone() for r in requests],
+            masks=[torch.from_numpy(r.mask.copy()) for r in requests],
             positions=positions,
             gather={},
             block_ids=[[b[g] for b in per_req_blocks] for g in range(self.num_groups)],
