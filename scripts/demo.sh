@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The demo: prepare SmolLM2-135M-Instruct, generate on real prompts with and
+# without lookahead, print tokens/s, speedup, step compression, acceptance.
+# Extra arguments go to the demo, e.g. `bash scripts/demo.sh --dtype float32`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m vllm_lookahead.demo "$@"

@@ -1,0 +1,81 @@
+"""`method: "lookahead"` through vLLM's own entry points: accepted by
+`EngineArgs` and `LLM`, and every bad setting fails at start-up with a message
+that names the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine_utils import engine, proposer
+
+pytestmark = pytest.mark.e2e
+
+
+def _engine_config(spec, tiny_model_path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=str(tiny_model_path),
+        skip_tokenizer_init=True,
+        speculative_config=spec,
+        kv_cache_memory_bytes=64 << 20,
+    )
+    return args, args.create_engine_config()
+
+
+def test_engine_args_accept_lookahead(tiny_model_path):
+    spec = {"method": "lookahead", "ngram_size": 3, "window_size": 2, "guess_set_size": 1}
+    args, cfg = _engine_config(spec, tiny_model_path)
+    sc = cfg.speculative_config
+    assert sc.method == "custom_class"
+    assert sc.model == "vllm_lookahead.proposer.LookaheadProposer"
+    assert sc.num_speculative_tokens == 3  # N: confirmed (N-1)-gram + next token
+    assert cfg.additional_config["lookahead"] == {
+        "ngram_size": 3, "window_size": 2, "guess_set_size": 1, "prompt_pool": True, "seed": 0,
+    }
+    assert args.speculative_config == spec  # the user's dict is left as given
+
+
+def test_defaults_are_documented_values(tiny_model_path):
+    from vllm_lookahead.config import LookaheadConfig
+
+    _, cfg = _engine_config({"method": "lookahead"}, tiny_model_path)
+    assert cfg.additional_config["lookahead"] == LookaheadConfig().to_dict()
+
+
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ({"ngram_size": 1}, "ngram_size"),
+        ({"ngram_size": 17}, "ngram_size"),
+        ({"window_size": -1}, "window_size"),
+        ({"guess_set_size": 0}, "guess_set_size"),
+        ({"guess_set_size": "5"}, "guess_set_size"),
+        ({"prompt_pool": "yes"}, "prompt_pool"),
+        ({"num_speculative_tokens": 9, "ngram_size": 4}, "num_speculative_tokens"),
+        ({"bogus": 1}, "bogus"),
+        ({"prompt_lookup_max": 3}, "prompt_lookup_max"),
+    ],
+)
+def test_bad_settings_fail_at_start_naming_the_field(spec, field, tiny_model_path):
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match=field):
+        LLM(str(tiny_model_path), skip_tokenizer_init=True,
+            speculative_config={"method": "lookahead", **spec},
+            kv_cache_memory_bytes=64 << 20)
+
+
+def test_llm_runs_lookahead_on_tiny_model(tiny_model_path):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = {"method": "lookahead", "ngram_size": 3, "window_size": 3, "guess_set_size": 2}
+    with engine(tiny_model_path, spec, skip_tokenizer_init=True, max_num_seqs=4,
+                kv_cache_memory_bytes=64 << 20) as llm:
+        prompt = TokensPrompt(prompt_token_ids=list(range(10, 40)))
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=32,
+                                                    ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 32
+        st = proposer(llm).get_stats()
+        assert st["lookahead_passes"] > 0 and st["config"]["ngram_size"] == 3
