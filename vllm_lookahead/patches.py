@@ -15,6 +15,10 @@ every other method untouched:
 3. ``GPUModelRunner.propose_draft_token_ids``: call our proposer with the
    runner itself (it needs the model, the KV cache and the block tables).
    The CPU runner subclasses the GPU runner, so both are covered.
+4. ``WorkerBase.lookahead_stats`` (a new method, nothing replaced): lets
+   ``LLM.collective_rpc("lookahead_stats")`` fetch the proposer's statistics
+   from any executor without pickling a function (vLLM's multi-process
+   engine refuses to serialize callables by default).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ def apply() -> None:
         return
     _patch_engine_args()
     _patch_model_runner()
+    _add_worker_stats_method()
     _APPLIED = True
 
 
@@ -91,3 +96,15 @@ def _patch_model_runner() -> None:
 
     GPUModelRunner._update_states = _update_states
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+
+
+#: Name of the worker method added by :func:`_add_worker_stats_method`.
+WORKER_STATS_METHOD = "lookahead_stats"
+
+
+def _add_worker_stats_method() -> None:
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from vllm_lookahead.stats import worker_stats
+
+    setattr(WorkerBase, WORKER_STATS_METHOD, worker_stats)

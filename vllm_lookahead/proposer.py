@@ -101,7 +101,7 @@ class LookaheadProposer:
             state = self.states.get(req_id)
             if state is None:
                 state = self._new_state(runner, req_id, token_ids[i], n_tok)
-            self._account(state, len(sampled))
+            self._account(state, len(sampled), n_tok)
             if cfg.prompt_pool:
                 state.add_context_ngrams(token_ids[i], cfg.ngram_size, n_tok)
             room = min(self.num_spec_tokens, self.max_model_len - n_tok - 1)
@@ -143,20 +143,32 @@ class LookaheadProposer:
         cfg = self.cfg
         req = runner.requests.get(req_id)
         n_prompt = req.num_prompt_tokens if req is not None else n_tok
+        params = getattr(req, "sampling_params", None)
         prompt = tokens[: max(min(n_prompt, n_tok), 1)]
         window = JacobiWindow.random_init(
             cfg.ngram_size, cfg.window_size, prompt, request_seed(cfg.seed, prompt)
         )
-        state = RequestState(window=window, pool=NGramPool(cfg.guess_set_size))
+        state = RequestState(
+            window=window,
+            pool=NGramPool(cfg.guess_set_size),
+            num_prompt_tokens=n_prompt,
+            max_tokens=getattr(params, "max_tokens", None),
+        )
         self.states[req_id] = state
         return state
 
-    def _account(self, state: RequestState, num_sampled: int) -> None:
+    def _account(self, state: RequestState, num_sampled: int, num_tokens: int) -> None:
         """Book last step's draft outcome: ``num_sampled - 1`` draft tokens
-        were accepted (the last sampled token is the verifier's own)."""
+        were accepted (the last sampled token is the verifier's own). Tokens
+        past ``max_tokens`` (which vLLM's scheduler drops) are not counted as
+        generated; tokens past a stop string or EOS in the final step are."""
         st = self.stats
         st.decode_steps += 1
-        st.generated_tokens += num_sampled
+        useful = num_sampled
+        if state.max_tokens is not None:
+            before = num_tokens - num_sampled - state.num_prompt_tokens
+            useful = max(0, min(num_sampled, state.max_tokens - before))
+        st.generated_tokens += useful
         accepted = min(num_sampled - 1, len(state.draft_sources))
         st.accepted_tokens += accepted
         for src in state.draft_sources[:accepted]:

@@ -147,6 +147,9 @@ class RequestState:
 
     window: JacobiWindow
     pool: NGramPool
+    num_prompt_tokens: int = 0
+    #: The request's output cap (``SamplingParams.max_tokens``), if any.
+    max_tokens: int | None = None
     #: Number of the request's tokens whose n-grams are in the pool
     #: (0 when the prompt pool is off).
     pooled_upto: int = 0

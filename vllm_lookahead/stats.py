@@ -66,8 +66,9 @@ class LookaheadStats:
         return d
 
 
-def _worker_stats(worker) -> dict | None:
-    """Runs inside a vLLM worker (through ``collective_rpc``)."""
+def worker_stats(worker) -> dict | None:
+    """Runs inside a vLLM worker: installed as ``WorkerBase.lookahead_stats``
+    by :mod:`vllm_lookahead.patches` and called through ``collective_rpc``."""
     runner = getattr(worker, "model_runner", None)
     drafter = getattr(runner, "drafter", None)
     get = getattr(drafter, "get_stats", None)
@@ -84,7 +85,9 @@ def get_lookahead_stats(llm) -> dict:
     Raises:
         RuntimeError: the engine does not run lookahead decoding.
     """
-    results = llm.collective_rpc(_worker_stats)
+    from vllm_lookahead.patches import WORKER_STATS_METHOD
+
+    results = llm.collective_rpc(WORKER_STATS_METHOD)
     found = [r for r in results if r is not None]
     if not found:
         raise RuntimeError("this engine does not run lookahead decoding")
