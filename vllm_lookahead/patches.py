@@ -19,6 +19,14 @@ every other method untouched:
    ``LLM.collective_rpc("lookahead_stats")`` fetch the proposer's statistics
    from any executor without pickling a function (vLLM's multi-process
    engine refuses to serialize callables by default).
+5. ``vllm.utils.cpu_triton_utils._expand_kernel_impl`` (CPU builds without
+   triton-cpu): vLLM 0.32's CPU fallback for the rejection sampler's
+   ``expand_kernel`` casts the float output to a temporary int64 tensor and
+   never copies it back, so the per-token temperature/top-p/top-k of every
+   draft position are uninitialised memory and sampling with ANY speculative
+   method is not lossless. Replaced by a correct torch implementation before
+   the CPU platform registers its kernel overrides (which happens right after
+   plugins load in each worker).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ def apply() -> None:
     _patch_engine_args()
     _patch_model_runner()
     _add_worker_stats_method()
+    _fix_cpu_expand_kernel()
     _APPLIED = True
 
 
@@ -108,3 +117,26 @@ def _add_worker_stats_method() -> None:
     from vllm_lookahead.stats import worker_stats
 
     setattr(WorkerBase, WORKER_STATS_METHOD, worker_stats)
+
+
+def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to,
+                       MAX_NUM_TOKENS=None) -> None:
+    """What vLLM's triton ``expand_kernel`` computes: request r's value
+    (``replace_from`` mapped to ``replace_to``) for each of its tokens
+    ``[cu[r-1], cu[r])``, written into ``output`` in place."""
+    import torch
+
+    cu = cu_num_tokens.long()
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    vals = torch.where(input_val == replace_from, replace_to, input_val)
+    total = int(cu[-1]) if cu.numel() else 0
+    output[:total] = torch.repeat_interleave(vals, counts).to(output.dtype)
+
+
+def _fix_cpu_expand_kernel() -> None:
+    try:
+        from vllm.utils import cpu_triton_utils
+    except ImportError:  # not a CPU build
+        return
+    if hasattr(cpu_triton_utils, "_expand_kernel_impl"):
+        cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
