@@ -1,0 +1,290 @@
+"""Tests for benchmarks/bench.py: the pure parts (no engine is started)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("vllm_lookahead_bench", BENCH_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses need the module registered
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+
+# --------------------------------------------------------------------------
+# Method specs
+# --------------------------------------------------------------------------
+
+
+def test_vanilla_and_ngram_specs() -> None:
+    assert bench.parse_method("vanilla") == bench.Method("vanilla", "vanilla", None)
+    ngram = bench.parse_method("ngram")
+    assert ngram.kind == "ngram"
+    assert ngram.spec == {"method": "ngram", "num_speculative_tokens": 4,
+                          "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    assert bench.parse_method("ngram:6").spec["num_speculative_tokens"] == 6
+    spec = bench.parse_method("ngram:k=3,max=5,min=3").spec
+    assert (spec["num_speculative_tokens"], spec["prompt_lookup_max"],
+            spec["prompt_lookup_min"]) == (3, 5, 3)
+    # Only max given, below the default min: min follows it.
+    assert bench.parse_method("ngram:max=1").spec["prompt_lookup_min"] == 1
+    # Any other SpeculativeConfig key passes through.
+    assert bench.parse_method("ngram:rejection_sample_method=standard").spec[
+        "rejection_sample_method"] == "standard"
+
+
+def test_lookahead_specs() -> None:
+    assert bench.parse_method("la:4,5,5").spec == {
+        "method": "lookahead", "ngram_size": 4, "window_size": 5, "guess_set_size": 5,
+        "prompt_pool": True,
+    }
+    assert bench.parse_method("la:4,5,5,nopool").spec["prompt_pool"] is False
+    assert bench.parse_method("la:4,5,5,separate").spec["mode"] == "separate"
+    assert bench.parse_method("lookahead:5,7,7,fused").spec["mode"] == "fused"
+    spec = bench.parse_method("la:4,5,5,mode=separate,max_tree_tokens=64,x=1.5,y=abc,z=false").spec
+    assert spec["mode"] == "separate"
+    assert spec["max_tree_tokens"] == 64
+    assert (spec["x"], spec["y"], spec["z"]) == (1.5, "abc", False)
+    assert bench.parse_method("la:3").spec == {"method": "lookahead", "ngram_size": 3,
+                                               "prompt_pool": True}
+    assert bench.parse_method("la").spec == {"method": "lookahead"}  # plugin defaults
+    assert bench.parse_method(" la:4,5,5 ").label == "la:4,5,5"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "empty"),
+        ("foo", "unknown method"),
+        ("vanilla:2", "no options"),
+        ("la:4,5,5,6", "at most N,W,G"),
+        ("la:4,x", "not a number"),
+        ("la:4,,5", "empty item"),
+        ("la:4,ngram_size=5", "given twice"),
+        ("la:4,5,5,nopool,prompt_pool=true", "given twice"),
+        ("ngram:3,k=4", "given twice"),
+        ("ngram:abc", "expected K"),
+        ("la:=3", "empty key"),
+    ],
+)
+def test_bad_method_specs(text: str, message: str) -> None:
+    with pytest.raises(bench.MethodSpecError, match=message):
+        bench.parse_method(text)
+
+
+def test_parse_methods_puts_vanilla_first_and_rejects_duplicates() -> None:
+    methods = bench.parse_methods(["la:4,5,5", "ngram", "vanilla", "la:5,7,7"])
+    assert [m.label for m in methods] == ["vanilla", "la:4,5,5", "ngram", "la:5,7,7"]
+    with pytest.raises(bench.MethodSpecError, match="twice"):
+        bench.parse_methods(["la:4,5,5", "la:4,5,5"])
+
+
+def test_cli_rejects_bad_method(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--methods", "vanilla", "la:1,x"])
+    assert info.value.code == 2
+    assert "not a number" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# Figures: S, acceptance, sources, ratio, matches
+# --------------------------------------------------------------------------
+
+
+def _metrics(accepted=0, drafts=0, draft_tokens=0, steps=0):
+    return {bench.M_ACCEPTED: accepted, bench.M_DRAFTS: drafts,
+            bench.M_DRAFT_TOKENS: draft_tokens, bench.M_ITERATIONS: steps}
+
+
+def test_step_compression_from_vllm_counters() -> None:
+    raw = {
+        "kind": "ngram", "output_tokens": 120, "elapsed_s": 4.0, "cpu_s": 3.9,
+        "machine_cpu_s": 5.9,
+        "metrics_before": _metrics(10, 5, 20, 100),
+        "metrics_after": _metrics(10 + 40, 5 + 20, 20 + 64, 100 + 80),
+    }
+    fig = bench.section_figures(raw)
+    assert fig["tokens_per_s"] == 30.0
+    assert fig["accepted_tokens"] == 40
+    assert fig["request_steps"] == 80  # 120 tokens - 40 accepted draft tokens
+    assert fig["step_compression"] == pytest.approx(1.5)
+    assert fig["mean_accepted_len"] == pytest.approx(1 + 40 / 20)
+    assert fig["acceptance_rate"] == pytest.approx(40 / 64)
+    assert fig["forwards_per_step"] == 1.0
+    assert fig["proposer_ms_per_step"] is None
+    assert fig["share"] == {"window": None, "prompt": None, "model": None}
+    assert fig["cpu_share"] == pytest.approx(3.9 / 4.0)
+    assert fig["other_load"] == pytest.approx(0.5)  # 2 s of others' CPU time over 4 s
+
+
+def test_vanilla_has_no_spec_metrics() -> None:
+    raw = {"kind": "vanilla", "output_tokens": 64, "elapsed_s": 2.0,
+           "metrics_before": {bench.M_ITERATIONS: 3}, "metrics_after": {bench.M_ITERATIONS: 70}}
+    fig = bench.section_figures(raw)
+    assert fig["step_compression"] == 1.0
+    assert fig["request_steps"] == 64
+    assert fig["mean_accepted_len"] is None and fig["acceptance_rate"] is None
+    assert fig["engine_steps"] == 67
+
+
+def test_lookahead_stats_deltas() -> None:
+    la_before = {"accepted_by_source": {"window": 5, "prompt": 5, "model": 0},
+                 "proposer_time_s": 1.0, "lookahead_passes": 10, "decode_steps": 30,
+                 "generated_tokens": 40, "step_compression": 1.33, "pool_ngrams": 7}
+    la_after = {"accepted_by_source": {"window": 35, "prompt": 15, "model": 10},
+                "proposer_time_s": 1.5, "lookahead_passes": 60, "decode_steps": 80,
+                "generated_tokens": 160, "step_compression": 2.0, "pool_ngrams": 50}
+    raw = {"kind": "lookahead", "output_tokens": 120, "elapsed_s": 3.0,
+           "metrics_before": _metrics(0, 0, 0, 0), "metrics_after": _metrics(60, 30, 80, 50),
+           "la_before": la_before, "la_after": la_after}
+    fig = bench.section_figures(raw)
+    assert fig["step_compression"] == pytest.approx(2.0)  # 120 / (120 - 60)
+    assert fig["la_step_compression"] == pytest.approx(120 / 50)
+    assert fig["share"] == pytest.approx({"window": 0.6, "prompt": 0.2, "model": 0.2})
+    assert fig["proposer_ms_per_step"] == pytest.approx(10.0)  # 0.5 s over 50 engine steps
+    assert fig["forwards_per_step"] == pytest.approx(2.0)  # separate mode: a pass per step
+    assert fig["tokens_per_forward"] == pytest.approx(1.0)
+    deltas = fig["lookahead_deltas"]
+    assert deltas["decode_steps"] == 50
+    assert "step_compression" not in deltas and "pool_ngrams" not in deltas
+
+
+def test_lookahead_missing_fields_give_none() -> None:
+    raw = {"kind": "lookahead", "output_tokens": 10, "elapsed_s": 1.0,
+           "metrics_before": {}, "metrics_after": {},
+           "la_before": {"accepted_by_source": {}}, "la_after": {"accepted_by_source": {}}}
+    fig = bench.section_figures(raw)
+    for key in ("step_compression", "mean_accepted_len", "acceptance_rate",
+                "proposer_ms_per_step", "forwards_per_step"):
+        assert fig[key] is None, key
+    assert fig["share"]["window"] is None
+    assert bench._fmt("share", fig["share"]) == "-"
+    assert bench._fmt("forwards_per_step", None) == "-"
+
+
+def test_ratio_and_match_against_vanilla_of_same_group() -> None:
+    def row(method, kind, tps, dataset="humaneval", bs=1, **extra):
+        return {"model": "m", "dtype": "bfloat16", "dataset": dataset, "batch_size": bs,
+                "method": method, "kind": kind, "tokens_per_s": tps, **extra}
+
+    rows = [row("vanilla", "vanilla", 20.0), row("la", "lookahead", 30.0),
+            row("vanilla", "vanilla", 50.0, bs=4), row("la", "lookahead", 40.0, bs=4),
+            row("la", "lookahead", 10.0, dataset="mtbench"),
+            row("ngram", "ngram", None, error="boom")]
+    outputs = {
+        bench.row_key(rows[0]): [[1, 2, 3], [4, 5]],
+        bench.row_key(rows[1]): [[1, 2, 3], [4, 6, 7]],
+        bench.row_key(rows[2]): [[1, 2], [4, 5]],
+        bench.row_key(rows[3]): [[1, 2], [4, 5]],
+    }
+    bench.add_relative_figures(rows, outputs)
+    assert rows[0]["ratio"] == 1.0
+    assert rows[1]["ratio"] == pytest.approx(1.5)
+    assert rows[1]["match"] == [1, 2] and rows[1]["first_diff"] == [None, 1]
+    assert rows[3]["ratio"] == pytest.approx(0.8)  # against the bs=4 vanilla
+    assert rows[3]["match"] == [2, 2] and rows[3]["first_diff"] is None
+    assert rows[4]["ratio"] is None and rows[4]["match"] is None  # no vanilla for mtbench
+    assert rows[5]["ratio"] is None
+
+
+def test_match_helpers() -> None:
+    assert bench.match_count([[1], [2]], [[1], [3]]) == (1, 2)
+    assert bench.match_count([[1]], [[1], [2]]) is None
+    assert bench.first_differences([[1, 2], [1]], [[1, 2, 3], [1]]) == [2, None]
+
+
+# --------------------------------------------------------------------------
+# Table and plot from a fake results file
+# --------------------------------------------------------------------------
+
+
+def _fake_results() -> dict:
+    rows = []
+    for dataset in ("humaneval", "mtbench"):
+        for bs in (1, 4):
+            common = {"model": "smollm2", "dtype": "bfloat16", "dataset": dataset,
+                      "batch_size": bs, "n_prompts": 8, "max_tokens": 128,
+                      "peak_rss_mb": 1700.0, "forwards_per_step": 1.0}
+            rows.append({**common, "method": "vanilla", "kind": "vanilla",
+                         "tokens_per_s": 20.0 * bs, "ratio": 1.0, "step_compression": 1.0,
+                         "share": {"window": None, "prompt": None, "model": None},
+                         "match": [8, 8], "other_load": 0.01})
+            rows.append({**common, "method": "la:4,5,5", "kind": "lookahead",
+                         "tokens_per_s": 26.0 * bs, "ratio": 1.3, "step_compression": 2.4,
+                         "mean_accepted_len": 3.1, "acceptance_rate": 0.93,
+                         "share": {"window": 0.25, "prompt": 0.25, "model": 0.5},
+                         "proposer_ms_per_step": 4.2, "match": [7, 8], "other_load": 0.02})
+            rows.append({**common, "method": "ngram", "kind": "ngram",
+                         "error": "Traceback ...\nRuntimeError: engine died"})
+    meta = {"date": "2026-11-22T04:00:00+00:00", "cpu": "Test CPU", "cpus": 2,
+            "vllm": "0.32.0", "args": {"max_tokens": 128}, "wall_s": 61.0}
+    return {"meta": meta, "runs": [], "rows": rows}
+
+
+def test_render_table() -> None:
+    text = bench.render_table(_fake_results()["rows"])
+    assert text.count("== smollm2 bfloat16") == 4
+    assert "== smollm2 bfloat16 | mtbench | batch size 4, 8 prompts x 128 tokens" in text
+    la_line = next(line for line in text.splitlines() if line.startswith("la:4,5,5"))
+    for cell in ("26.0", "1.30", "2.40", "3.10", "93", "25/25/50", "4.2", "1.00", "1700", "7/8"):
+        assert cell in la_line.split(), (cell, la_line)
+    vanilla_line = next(line for line in text.splitlines() if line.startswith("vanilla"))
+    assert vanilla_line.split()[-1] == "ref"
+    ngram_line = next(line for line in text.splitlines() if line.startswith("ngram"))
+    assert "error" in ngram_line and "RuntimeError: engine died" in ngram_line
+
+
+def test_noisy_rows_flagged(capsys) -> None:
+    results = _fake_results()
+    results["rows"][1]["other_load"] = 0.9
+    bench.report(results, None)
+    out = capsys.readouterr().out
+    assert "warning: 1 of 12 rows" in out and "la:4,5,5 (0.90 cores)" in out
+
+
+def test_machine_busy_is_monotonic() -> None:
+    first = bench.machine_busy_s()
+    if first is None:
+        pytest.skip("no /proc/stat")
+    sum(i * i for i in range(200_000))  # burn a little CPU
+    assert bench.machine_busy_s() >= first
+
+
+def test_render_plot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = bench.render_plot(_fake_results()["rows"], tmp_path / "sub" / "plot.png", title="t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 10_000
+
+
+def test_from_json_renders_table_and_plot(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps(_fake_results()))
+    assert bench.main(["--from-json", str(src)]) == 0
+    out = capsys.readouterr().out
+    assert "Test CPU" in out and "total wall time 1m01s" in out
+    assert "la:4,5,5" in out
+    assert (tmp_path / "run.png").is_file()
+    assert bench.main(["--from-json", str(src), "--plot", str(tmp_path / "other.png")]) == 0
+    assert (tmp_path / "other.png").is_file()
+
+
+def test_machine_info() -> None:
+    info = bench.machine_info(["bench.py", "--prompts", "2"])
+    assert info["command"] == "bench.py --prompts 2"
+    assert info["cpus"] >= 1
+    for key in ("date", "cpu", "torch", "vllm", "python"):
+        assert key in info
