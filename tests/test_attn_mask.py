@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_lookahead.attn_mask import build_tree, fill_tree_tokens
+from vllm_lookahead.attn_mask import build_tree, fill_tree_tokens, fit_budget, tree_size
 
 # (N, W, g): edge cases (N=2, W=1, g=0; W=0 = Jacobi branch off) and the
 # paper's recommended (5, 15, 15).
@@ -206,3 +206,39 @@ def test_build_tree_cached_and_read_only():
     for arr in (a.parents, a.depth, a.mask, a.level_index, a.cand_index):
         with pytest.raises(ValueError):
             arr[...] = 0
+
+
+@pytest.mark.parametrize("n,w,g", [(2, 0, 1), (2, 3, 0), (4, 5, 5), (5, 0, 7), (6, 1, 2)])
+def test_tree_size_matches_layout(n, w, g):
+    assert tree_size(n, w, g) == build_tree(n, w, g).num_nodes
+
+
+def test_fit_budget_no_limit_or_fits():
+    trees = [(4, 5, 5), (4, 5, 3)]
+    assert fit_budget(trees, 0) == (True, 5)
+    full = tree_size(4, 5, 5) + tree_size(4, 5, 3)
+    assert fit_budget(trees, full) == (True, 5)
+    # fused-style (root not a query token): one node less per tree
+    assert fit_budget(trees, full - 2, with_root=False) == (True, 5)
+
+
+def test_fit_budget_drops_windows_then_candidates_then_trees():
+    trees = [(4, 5, 5), (4, 5, 5)]
+    full = 2 * tree_size(4, 5, 5)  # 60
+    use_w, cap = fit_budget(trees, full - 1)
+    assert (use_w, cap) == (False, 5)  # windows out: 2 * (1 + 15) = 32
+    use_w, cap = fit_budget(trees, 31)
+    assert not use_w and cap == 4 and 2 * tree_size(4, 0, 4) <= 31 < 2 * tree_size(4, 0, 5)
+    assert fit_budget(trees, 2 * tree_size(4, 0, 1)) == (False, 1)
+    assert fit_budget(trees, 2 * tree_size(4, 0, 1) - 1) == (False, -1)
+
+
+@pytest.mark.parametrize("budget", [1, 7, 20, 33, 64, 100])
+def test_fit_budget_result_fits(budget):
+    trees = [(4, 5, 5), (3, 2, 4), (5, 7, 1)]
+    use_w, cap = fit_budget(trees, budget)
+    if cap >= 0:
+        used = sum(tree_size(n, w if use_w else 0, min(g, cap)) for n, w, g in trees)
+        assert used <= budget
+    else:
+        assert sum(tree_size(n, 0, min(g, 1)) for n, w, g in trees) > budget

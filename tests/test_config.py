@@ -12,7 +12,9 @@ from vllm_lookahead.config import (
     PROPOSER_QUALNAME,
     LookaheadConfig,
     LookaheadConfigError,
+    RequestSettings,
     is_lookahead,
+    request_settings,
     split_speculative_config,
 )
 
@@ -23,6 +25,8 @@ RANGES = {
     "window_size": (0, 64),
     "guess_set_size": (1, 64),
     "seed": (0, 2**63 - 1),
+    "max_tree_tokens": (0, 1 << 20),
+    "disable_batch_size": (0, 1 << 20),
 }
 
 
@@ -37,7 +41,8 @@ def test_defaults_valid():
     assert cfg.prompt_pool is True
     assert cfg.seed == 0
     assert cfg.max_draft_len == cfg.ngram_size
-    assert set(cfg.field_names()) == set(RANGES) | {"prompt_pool"}
+    assert cfg.mode == "fused"
+    assert set(cfg.field_names()) == set(RANGES) | {"prompt_pool", "mode"}
     assert LookaheadConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -260,3 +265,95 @@ def test_passthrough_keys_are_speculative_config_fields(key, spec_fields):
     assert key in spec_fields, (
         f"{key!r} is in PASSTHROUGH_KEYS but vLLM's SpeculativeConfig has no such field"
     )
+
+
+@pytest.mark.parametrize("mode", ["fused", "separate"])
+def test_mode_choices(mode):
+    assert LookaheadConfig(mode=mode).mode == mode
+
+
+@pytest.mark.parametrize("value", ["both", "", None, 1, "FUSED"])
+def test_bad_mode_rejected(value):
+    with pytest.raises(LookaheadConfigError) as ei:
+        LookaheadConfig(mode=value)
+    msg = str(ei.value)
+    assert "mode" in msg and "fused" in msg and "separate" in msg
+
+
+def test_split_carries_mode_and_load_settings():
+    out = split_speculative_config(
+        {"method": "lookahead", "mode": "separate", "max-tree-tokens": 64, "disable_batch_size": 8}
+    )
+    assert out.lookahead.mode == "separate"
+    assert out.lookahead.max_tree_tokens == 64
+    assert out.lookahead.disable_batch_size == 8
+    assert "mode" not in out.vllm_kwargs
+
+
+# -- per-request settings (SamplingParams.extra_args) -------------------------
+
+ENGINE = LookaheadConfig(ngram_size=5, window_size=6, guess_set_size=4)
+
+
+def test_request_settings_default_to_engine():
+    for extra in (None, {}, {"other": 1}):
+        s = request_settings(extra, ENGINE)
+        assert s == RequestSettings(True, 5, 6, 4)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"lookahead": False}, {"lookahead": {"enabled": False}}, {"lookahead_enabled": False}],
+)
+def test_request_can_turn_lookahead_off(extra):
+    assert request_settings(extra, ENGINE).enabled is False
+
+
+def test_request_can_lower_settings_nested_and_flat():
+    s = request_settings({"lookahead": {"ngram_size": 3, "window_size": 0}}, ENGINE)
+    assert (s.enabled, s.ngram_size, s.window_size, s.guess_set_size) == (True, 3, 0, 4)
+    s = request_settings({"lookahead_guess_set_size": 1, "lookahead_ngram_size": 2}, ENGINE)
+    assert (s.ngram_size, s.window_size, s.guess_set_size) == (2, 6, 1)
+    s = request_settings({"lookahead": {"ngram_size": 5, "window_size": 6, "guess_set_size": 4}}, ENGINE)
+    assert s == RequestSettings(True, 5, 6, 4)
+
+
+@pytest.mark.parametrize(
+    "extra,field,allowed",
+    [
+        ({"lookahead": {"ngram_size": 6}}, "ngram_size", "[2, 5]"),
+        ({"lookahead": {"ngram_size": 1}}, "ngram_size", "[2, 5]"),
+        ({"lookahead": {"window_size": 7}}, "window_size", "[0, 6]"),
+        ({"lookahead": {"window_size": -1}}, "window_size", "[0, 6]"),
+        ({"lookahead_guess_set_size": 0}, "guess_set_size", "[1, 4]"),
+        ({"lookahead": {"guess_set_size": "2"}}, "guess_set_size", "[1, 4]"),
+        ({"lookahead": {"ngram_size": True}}, "ngram_size", "[2, 5]"),
+    ],
+)
+def test_bad_request_settings_name_the_field(extra, field, allowed):
+    with pytest.raises(LookaheadConfigError) as ei:
+        request_settings(extra, ENGINE)
+    msg = str(ei.value)
+    assert field in msg and allowed in msg and "extra_args" in msg
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        ({"lookahead": {"window": 2}}, "window"),
+        ({"lookahead_foo": 1}, "foo"),
+        ({"lookahead": "off"}, "lookahead"),
+        ({"lookahead": {"enabled": "no"}}, "enabled"),
+    ],
+)
+def test_bad_request_keys_rejected(extra, needle):
+    with pytest.raises(LookaheadConfigError) as ei:
+        request_settings(extra, ENGINE)
+    assert needle in str(ei.value)
+
+
+def test_request_window_zero_needs_prompt_pool():
+    engine = LookaheadConfig(prompt_pool=False)
+    with pytest.raises(LookaheadConfigError, match="prompt_pool"):
+        request_settings({"lookahead": {"window_size": 0}}, engine)
+    assert request_settings({"lookahead": False}, engine).enabled is False

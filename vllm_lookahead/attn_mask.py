@@ -133,3 +133,45 @@ def fill_tree_tokens(
     if layout.num_candidates:
         toks[layout.cand_index[0, 0] :] = candidates.reshape(-1)
     return toks
+
+
+def tree_size(ngram_size: int, window_size: int, num_candidates: int) -> int:
+    """Number of nodes of ``build_tree(ngram_size, window_size, num_candidates)``."""
+    levels = ngram_size - 1
+    if window_size:
+        return levels * (window_size + num_candidates)
+    return 1 + levels * num_candidates
+
+
+def fit_budget(
+    trees: list[tuple[int, int, int]], budget: int, with_root: bool = True
+) -> tuple[bool, int]:
+    """Shrink one step's trees to at most ``budget`` query tokens in all.
+
+    Args:
+        trees: per request ``(N, W, g)`` it would like to run.
+        budget: most tree tokens the step may add (0 = no limit).
+        with_root: whether the root node is a query token of the tree
+            (separate pass) or already one of vLLM's tokens (fused).
+    Returns:
+        ``(use_window, max_candidates)``: keep every request's window, or
+        leave all windows out of this step; check at most ``max_candidates``
+        candidates per request. ``max_candidates == -1`` means no tree at all
+        fits (run no tree this step). Order of giving up: windows first, then
+        candidates one by one, then the tree.
+    """
+    drop = 0 if with_root else 1
+
+    def total(use_window: bool, cap: int) -> int:
+        return sum(
+            max(tree_size(n, w if use_window else 0, min(g, cap)) - drop, 0)
+            for n, w, g in trees
+        )
+
+    most = max((g for _, _, g in trees), default=0)
+    if budget <= 0 or total(True, most) <= budget:
+        return True, most
+    for cap in range(most, 0, -1):
+        if total(False, cap) <= budget:
+            return False, cap
+    return False, -1

@@ -55,6 +55,18 @@ class LookaheadConfig:
         seed: base seed of the window initialisation; the per-request seed
             is derived from it and the prompt tokens, so every tensor-parallel
             rank computes the same window.
+        mode: ``"fused"`` (default): the lookahead branch rides in vLLM's
+            verification forward as extra tree-masked query tokens, one
+            target forward per step. ``"separate"``: a second, tree-masked
+            forward after sampling (two forwards per step; the draft is
+            pre-checked against every pool candidate).
+        max_tree_tokens: budget of lookahead query tokens per engine step,
+            summed over the batch (0 = no limit). When the batch's trees do
+            not fit, the window is left out of the step (it resumes later),
+            then fewer candidates are checked, then no tree is run.
+        disable_batch_size: with this many requests decoding or more, the
+            step runs without lookahead at all (no tree, no draft): a vanilla
+            step. 0 = never.
     """
 
     ngram_size: int = 4
@@ -62,17 +74,31 @@ class LookaheadConfig:
     guess_set_size: int = 5
     prompt_pool: bool = True
     seed: int = 0
+    mode: str = "fused"
+    max_tree_tokens: int = 0
+    disable_batch_size: int = 0
 
     _RANGES = {
         "ngram_size": (2, 16),
         "window_size": (0, 64),
         "guess_set_size": (1, 64),
         "seed": (0, 2**63 - 1),
+        "max_tree_tokens": (0, 1 << 20),
+        "disable_batch_size": (0, 1 << 20),
     }
+    _CHOICES = {"mode": ("fused", "separate")}
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name in self._CHOICES:
+                choices = self._CHOICES[f.name]
+                if value not in choices:
+                    raise LookaheadConfigError(
+                        f"speculative_config['{f.name}'] must be one of "
+                        f"{list(choices)}, got {value!r}"
+                    )
+                continue
             if f.type in ("bool", bool):
                 if not isinstance(value, bool):
                     raise LookaheadConfigError(
@@ -171,3 +197,93 @@ def split_speculative_config(spec: dict[str, Any]) -> SplitConfig:
         "num_speculative_tokens": k,
     }
     return SplitConfig(lookahead=cfg, vllm_kwargs=vllm_kwargs)
+
+
+# -- per-request settings ----------------------------------------------------
+
+#: ``SamplingParams.extra_args`` key of a request's own lookahead settings.
+REQUEST_KEY = "lookahead"
+#: Fields a request may lower (never raise above the engine's).
+REQUEST_FIELDS = ("ngram_size", "window_size", "guess_set_size")
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """Lookahead settings of one request (engine settings, maybe lowered)."""
+
+    enabled: bool = True
+    ngram_size: int = 4
+    window_size: int = 5
+    guess_set_size: int = 5
+
+
+def request_settings(extra_args: dict[str, Any] | None, engine: LookaheadConfig) -> RequestSettings:
+    """A request's settings from its ``SamplingParams.extra_args``.
+
+    Accepted forms (all optional)::
+
+        extra_args={"lookahead": False}                  # off for this request
+        extra_args={"lookahead": {"enabled": False}}
+        extra_args={"lookahead": {"ngram_size": 3, "window_size": 2, "guess_set_size": 2}}
+        extra_args={"lookahead_window_size": 2}          # flat form (vllm_xargs)
+
+    A request may lower N (down to 2), W (down to 0) and G (down to 1) below
+    the engine's values, never raise them.
+
+    Raises:
+        LookaheadConfigError: unknown key, wrong type or value out of range;
+            the message names the field.
+    """
+    base = {
+        "enabled": True,
+        "ngram_size": engine.ngram_size,
+        "window_size": engine.window_size,
+        "guess_set_size": engine.guess_set_size,
+    }
+    if not extra_args:
+        return RequestSettings(**base)
+    given: dict[str, Any] = {}
+    nested = extra_args.get(REQUEST_KEY)
+    if isinstance(nested, bool):
+        given["enabled"] = nested
+    elif isinstance(nested, dict):
+        given.update(nested)
+    elif nested is not None:
+        raise LookaheadConfigError(
+            f"extra_args['{REQUEST_KEY}'] must be true/false or a dict of "
+            f"{['enabled', *REQUEST_FIELDS]}, got {nested!r}"
+        )
+    prefix = REQUEST_KEY + "_"
+    for key, value in extra_args.items():
+        if isinstance(key, str) and key.startswith(prefix):
+            given[key[len(prefix):]] = value
+    allowed = ["enabled", *REQUEST_FIELDS]
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise LookaheadConfigError(
+            f"unknown per-request lookahead setting(s) {unknown} in extra_args; "
+            f"allowed: {allowed}"
+        )
+    enabled = given.pop("enabled", True)
+    if not isinstance(enabled, bool):
+        raise LookaheadConfigError(
+            f"extra_args['{REQUEST_KEY}']['enabled'] must be true/false, got {enabled!r}"
+        )
+    lows = {"ngram_size": 2, "window_size": 0, "guess_set_size": 1}
+    for name, value in given.items():
+        hi = base[name]
+        lo = lows[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise LookaheadConfigError(
+                f"extra_args['{REQUEST_KEY}']['{name}'] must be an integer in "
+                f"[{lo}, {hi}] (a request may lower the engine's {name}={hi}, "
+                f"not raise it), got {value!r}"
+            )
+        base[name] = value
+    base["enabled"] = enabled
+    if base["window_size"] == 0 and not engine.prompt_pool and enabled:
+        raise LookaheadConfigError(
+            f"extra_args['{REQUEST_KEY}']['window_size'] = 0 needs the engine's "
+            "prompt_pool, which is off: nothing would ever be drafted"
+        )
+    return RequestSettings(**base)

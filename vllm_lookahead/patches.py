@@ -27,6 +27,15 @@ every other method untouched:
    method is not lossless. Replaced by a correct torch implementation before
    the CPU platform registers its kernel overrides (which happens right after
    plugins load in each worker).
+6. ``GPUModelRunner._model_forward`` (fused mode): the proposer appends the
+   step's planned lookahead tree tokens to vLLM's input ids and positions,
+   runs vLLM's own model call once, keeps the argmax of the tree rows and
+   returns vLLM's rows only, so the rest of the step (logits, rejection
+   sampler) sees exactly what it would without lookahead.
+7. ``InputProcessor._validate_params``: per-request lookahead settings in
+   ``SamplingParams.extra_args`` are checked when the request arrives, so a
+   bad value is a clear error for that request (HTTP 400 on the server) and
+   never reaches the engine.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ def apply() -> None:
     _patch_model_runner()
     _add_worker_stats_method()
     _fix_cpu_expand_kernel()
+    _patch_request_validation()
     _APPLIED = True
 
 
@@ -103,8 +113,59 @@ def _patch_model_runner() -> None:
         self._draft_prob_req_ids = None
         return drafter.propose_for_runner(self, sampled_token_ids)
 
+    orig_forward = GPUModelRunner._model_forward
+
+    @functools.wraps(orig_forward)
+    def _model_forward(self, input_ids=None, positions=None, **kwargs):
+        drafter = _lookahead(self)
+        if drafter is None or input_ids is None:
+            return orig_forward(self, input_ids=input_ids, positions=positions, **kwargs)
+        return drafter.model_forward(
+            self, functools.partial(orig_forward, self), input_ids, positions, **kwargs
+        )
+
     GPUModelRunner._update_states = _update_states
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    GPUModelRunner._model_forward = _model_forward
+
+
+def _patch_request_validation() -> None:
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    from vllm_lookahead.config import (
+        ADDITIONAL_CONFIG_KEY,
+        LookaheadConfig,
+        LookaheadConfigError,
+        request_settings,
+    )
+
+    orig = InputProcessor._validate_params
+
+    @functools.wraps(orig)
+    def _validate_params(self, params, *args, **kwargs):
+        result = orig(self, params, *args, **kwargs)
+        extra = getattr(params, "extra_args", None) if isinstance(params, SamplingParams) else None
+        engine = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if extra and engine is not None:
+            try:
+                request_settings(extra, LookaheadConfig.from_dict(engine))
+            except LookaheadConfigError as e:
+                raise _validation_error(str(e)) from None
+        return result
+
+    InputProcessor._validate_params = _validate_params
+
+
+def _validation_error(message: str) -> Exception:
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:  # pragma: no cover - other vLLM layouts
+        return ValueError(message)
+    try:
+        return VLLMValidationError(message, parameter="extra_args")
+    except TypeError:  # pragma: no cover
+        return VLLMValidationError(message)
 
 
 #: Name of the worker method added by :func:`_add_worker_stats_method`.

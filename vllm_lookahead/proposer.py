@@ -1,32 +1,56 @@
 """The lookahead proposer vLLM instantiates for ``method="lookahead"``.
 
 Per request it keeps a :class:`~vllm_lookahead.state.RequestState` (Jacobi
-window and n-gram pool). Each engine step, after vLLM sampled:
+window, n-gram pool, per-request settings). Two modes (``LookaheadConfig.mode``):
 
-1. for every decoding request, ``x`` = its newest token (position ``p``, KV
-   not cached yet); the pool's candidates for ``x`` (at most G);
-2. one batched tree-masked forward of the target model (``worker.py``) over
-   every request's tree: root ``x``, the Jacobi window, the candidates;
-3. per request: the argmax at the newest window level is the next level; the
-   W column n-grams go into the pool; the window shifts one Jacobi step;
-4. the draft: each candidate is checked against the pass's argmax chain; the
-   one with the longest confirmed prefix wins (ties: most often seen, then
-   newest); the draft is that prefix plus the pass's prediction of the token
-   after it. vLLM's rejection sampler then verifies the draft exactly: the
-   draft only decides how many tokens one step can gain, never which tokens
-   come out.
+**fused** (default, one target forward per step). At the end of step t the
+proposer plans, per request, the tree of step t+1: its root is the last token
+vLLM will feed for the request (the newest draft token, or the newest sampled
+token when there is no draft), at position ``q``; its nodes are the Jacobi
+window and the pool's candidates for the root. In step t+1 the worker appends
+those nodes to vLLM's own query tokens (:meth:`fused_forward`), so they read
+the request's KV cache up to ``q`` -- the draft included -- plus their tree
+ancestors. After vLLM's rejection sampler:
+
+1. the newest window level comes from the argmax at the window's last level;
+   its W column n-grams go into the pool and the window shifts;
+2. if the whole draft was accepted, the tree was conditioned on exactly the
+   committed text: a candidate whose first token equals the token vLLM just
+   sampled and whose next tokens agree with the argmax chain is a draft that
+   is already checked; the best one (longest confirmed, then most often
+   seen, then newest) plus the argmax after it is the next draft;
+3. otherwise (draft partly rejected, first step, tree not run) the next draft
+   is the pool's most often seen continuation of the newest token, unchecked.
+
+**separate** (two forwards per step). After sampling, one extra tree-masked
+forward rooted at the newest token (not cached yet) checks every candidate;
+the draft is the best confirmed prefix plus the argmax after it.
+
+Either way vLLM's rejection sampler verifies the draft exactly: the draft
+only decides how many tokens one step can gain, never which tokens come out.
+
+Load: ``max_tree_tokens`` caps the tree tokens of a step (windows are left out
+first, then candidates); with ``disable_batch_size`` requests decoding or
+more, a step runs with no tree and no draft.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from vllm.logger import init_logger
 
-from vllm_lookahead.attn_mask import build_tree, fill_tree_tokens
-from vllm_lookahead.config import ADDITIONAL_CONFIG_KEY, LookaheadConfig
+from vllm_lookahead.attn_mask import TreeLayout, build_tree, fill_tree_tokens, fit_budget
+from vllm_lookahead.config import (
+    ADDITIONAL_CONFIG_KEY,
+    LookaheadConfig,
+    LookaheadConfigError,
+    RequestSettings,
+    request_settings,
+)
 from vllm_lookahead.state import (
     SOURCE_MODEL,
     SOURCE_WINDOW,
@@ -41,6 +65,35 @@ from vllm_lookahead.stats import LookaheadStats
 logger = init_logger(__name__)
 
 
+@dataclass
+class PlannedTree:
+    """A request's tree for its next step (fused mode).
+
+    Last step's checked chain ended in the model's own prediction ``y`` of the
+    token after the draft. The tree's root is ``y``, right after the draft (a
+    query node: not cached); it is valid iff vLLM samples exactly
+    ``draft + [y]``, which with greedy decoding is certain.
+
+    Attributes:
+        num_scheduled: tokens vLLM must schedule for the request (1 + draft).
+        root_pos: position of ``y``; the tree reads ``root_pos`` cached tokens.
+        expect: ``draft + [y]``.
+        layout: tree layout (node 0 is ``y``).
+        cands: the candidates of ``y``, as the pool returned them.
+        tokens, positions: int32 / int64 [T] node tokens and positions.
+        window: whether the window's nodes are in the tree.
+    """
+
+    num_scheduled: int
+    root_pos: int
+    expect: list
+    layout: TreeLayout
+    cands: list
+    tokens: np.ndarray
+    positions: np.ndarray
+    window: bool
+
+
 class LookaheadProposer:
     """Lookahead decoding drafter (one per worker, on the last PP rank)."""
 
@@ -49,11 +102,25 @@ class LookaheadProposer:
         self.cfg = LookaheadConfig.from_dict(
             (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {})
         )
+        self.fused = self.cfg.mode == "fused"
+        cg_mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+        if self.fused and cg_mode is not None and str(getattr(cg_mode, "name", cg_mode)) != "NONE":
+            logger.warning(
+                "Lookahead: fused mode appends a varying number of tree tokens to "
+                "each forward, which CUDA graphs (cudagraph_mode=%s) cannot replay; "
+                "using mode='separate'. Set enforce_eager=True for the fused mode.",
+                cg_mode,
+            )
+            self.fused = False
         self.num_spec_tokens = spec.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.states: dict[str, RequestState] = {}
         self.stats = LookaheadStats()
         self.worker = None  # LookaheadWorker, bound on the first step
+        #: req id -> tokens scheduled this step (set by on_update_states).
+        self._scheduled: dict[str, int] = {}
+        #: fused: req id -> (PlannedTree, argmax of its appended nodes).
+        self._fused_out: dict[str, tuple[PlannedTree, np.ndarray]] = {}
         logger.info("Lookahead decoding: %s, draft length %d", self.cfg, self.num_spec_tokens)
 
     # -- vLLM's custom proposer interface ---------------------------------
@@ -76,6 +143,53 @@ class LookaheadProposer:
         resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ())
         for req_id in resumed or ():
             self.states.pop(req_id, None)
+        self._scheduled = scheduler_output.num_scheduled_tokens
+
+    def model_forward(self, runner, forward, input_ids, positions, **kwargs):
+        """The runner's model call of a step (fused mode): append the planned
+        trees of the requests scheduled as planned, run, keep their argmax."""
+        self._fused_out = {}
+        if not self.fused or self.worker is None or kwargs.get("inputs_embeds") is not None:
+            return forward(input_ids=input_ids, positions=positions, **kwargs)
+        from vllm_lookahead.worker import TreeRequest
+
+        batch = runner.input_batch
+        index = batch.req_id_to_index
+        computed = batch.num_computed_tokens_cpu
+        trees, plans = [], []
+        for req_id, state in self.states.items():
+            plan = state.plan
+            if plan is None:
+                continue
+            state.plan = None
+            i = index.get(req_id)
+            # vLLM must feed exactly the planned draft, the tree's root
+            # following its last token.
+            if (
+                i is None
+                or self._scheduled.get(req_id) != plan.num_scheduled
+                or int(computed[i]) + plan.num_scheduled != plan.root_pos
+            ):
+                self.stats.trees_dropped += 1
+                continue
+            trees.append(
+                TreeRequest(
+                    tokens=plan.tokens,
+                    positions=plan.positions,
+                    mask=plan.layout.mask,
+                    context_len=plan.root_pos,
+                    batch_index=i,
+                )
+            )
+            plans.append((req_id, plan))
+        if not trees:
+            return forward(input_ids=input_ids, positions=positions, **kwargs)
+        hidden, preds = self.worker.fused_forward(forward, trees, input_ids, positions, **kwargs)
+        self.stats.lookahead_query_tokens += sum(len(t.tokens) for t in trees)
+        self.stats.fused_trees += len(trees)
+        self.stats.fused_steps += 1
+        self._fused_out = {req_id: (plan, pred) for (req_id, plan), pred in zip(plans, preds)}
+        return hidden
 
     def propose_for_runner(self, runner, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Drafts for every request of the runner's batch (batch order)."""
@@ -89,10 +203,10 @@ class LookaheadProposer:
         token_ids = batch.token_ids_cpu
         cfg = self.cfg
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
-        work = []  # (batch index, state, layout, candidates, counts, sources, num_tokens)
-        from vllm_lookahead.worker import TreeRequest
+        fused_out, self._fused_out = self._fused_out, {}
 
-        trees = []
+        # Requests that decode this step, with their state up to date.
+        live = []  # (batch index, state, num tokens, room)
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:
                 continue  # still prefilling
@@ -102,20 +216,136 @@ class LookaheadProposer:
             if state is None:
                 state = self._new_state(runner, req_id, token_ids[i], n_tok)
             self._account(state, len(sampled), n_tok)
-            if cfg.prompt_pool:
-                state.add_context_ngrams(token_ids[i], cfg.ngram_size, n_tok)
-            room = min(self.num_spec_tokens, self.max_model_len - n_tok - 1)
-            if room <= 0:
-                state.draft_sources = []
+            state.plan = None
+            if not state.settings.enabled:
                 continue
-            x = int(token_ids[i, n_tok - 1])
-            cands = state.pool.get(x)[: cfg.guess_set_size]
-            layout = build_tree(cfg.ngram_size, cfg.window_size, len(cands))
-            cand_arr = np.array([c for c, _, _ in cands], dtype=np.int32).reshape(
-                len(cands), cfg.ngram_size - 1
+            if cfg.prompt_pool:
+                state.add_context_ngrams(token_ids[i], state.settings.ngram_size, n_tok)
+            if self.fused:
+                out = fused_out.get(req_id)
+                if out is not None:
+                    drafts[i] = self._harvest(state, out[0], out[1], sampled)
+            room = min(self.num_spec_tokens, self.max_model_len - n_tok - 1)
+            live.append((i, state, n_tok, room))
+
+        if cfg.disable_batch_size and len(live) >= cfg.disable_batch_size:
+            self.stats.steps_off += 1
+            for _, state, _, _ in live:
+                state.draft_sources = []
+            live = []
+            drafts = [[] for _ in sampled_token_ids]
+        if self.fused:
+            # A catch-up pass for requests without a checked chain (first
+            # step, or last tree missed): their next draft is checked again.
+            rescue = [r for r in live if not drafts[r[0]] and r[3] > 0]
+            if rescue:
+                self.stats.catch_up_requests += len(rescue)
+                self._separate_pass(rescue, drafts, token_ids, unchecked=False)
+            self._fused_plan(live, drafts, token_ids)
+        else:
+            self._separate_pass(live, drafts, token_ids)
+        for i, state, _, room in live:
+            drafts[i] = drafts[i][: max(room, 0)]
+            state.draft_sources = state.draft_sources[: len(drafts[i])]
+            if drafts[i]:
+                self.stats.drafts += 1
+                self.stats.draft_tokens += len(drafts[i])
+        self.stats.live_requests = len(self.states)
+        self.stats.proposer_time_s += time.perf_counter() - t0
+        return drafts
+
+    # -- fused mode ----------------------------------------------------------
+    def _harvest(self, state: RequestState, plan: PlannedTree, pred: np.ndarray,
+                 sampled: list[int]) -> list[int]:
+        """The checked chain from the tree that rode in this step's forward:
+        tokens known to follow the sampled text (greedy: exactly), the last
+        one the model's own prediction; [] if the tree rested on text vLLM
+        did not produce."""
+        if list(sampled) != plan.expect:
+            return []
+        if plan.window:
+            self._jacobi_step(state, plan.layout, plan.expect[-1], pred)
+        return self._best_confirmed(state, plan.layout, plan.cands, pred)
+
+    def _fused_plan(self, live, chains, token_ids) -> None:
+        """Turn each request's checked chain into its draft and plan its
+        tree for the next step (``chains[i]`` is replaced by the draft)."""
+        wanted = []
+        for i, state, n_tok, room in live:
+            chain = chains[i]
+            if not chain or room <= 0:
+                # No checked chain (no tree fitted the budget): the pool's
+                # guess, unchecked, and no tree.
+                x = int(token_ids[i, n_tok - 1])
+                chains[i] = self._unchecked(state, x) if room > 0 else []
+                continue
+            # All but the chain's last token is the draft; the last (the
+            # model's prediction after the draft) roots the tree.
+            k = min(len(chain) - 1, room)
+            chains[i] = chain[:k]
+            state.draft_sources = state.draft_sources[:k]
+            s = state.settings
+            cands = state.pool.get(chain[k])[: s.guess_set_size]
+            wanted.append((s.ngram_size, s.window_size, len(cands), i, state, n_tok + k,
+                           chain[: k + 1], cands))
+        use_window, cap = fit_budget(
+            [w[:3] for w in wanted], self.cfg.max_tree_tokens, with_root=True
+        )
+        if not use_window:
+            self.stats.steps_window_off += 1
+        if cap < 0:
+            return
+        for n, w, g, i, state, root_pos, expect, cands in wanted:
+            w = w if use_window else 0
+            cands = cands[:cap]
+            layout = build_tree(n, w, len(cands))
+            if root_pos + int(layout.depth.max()) >= self.max_model_len:
+                continue
+            toks = fill_tree_tokens(layout, expect[-1], state.window.levels, _cand_array(cands, n))
+            state.plan = PlannedTree(
+                num_scheduled=len(expect),
+                root_pos=root_pos,
+                expect=expect,
+                layout=layout,
+                cands=cands,
+                tokens=toks,
+                positions=root_pos + layout.depth.astype(np.int64),
+                window=w > 0,
             )
-            toks = fill_tree_tokens(layout, x, state.window.levels, cand_arr)
+
+    # -- separate mode -------------------------------------------------------
+    def _separate_pass(self, live, drafts, token_ids, unchecked: bool = True) -> None:
+        """One extra tree-masked forward rooted at each request's newest
+        token; ``drafts[i]`` becomes its checked chain (without a tree: the
+        pool's unchecked guess if ``unchecked``, else nothing)."""
+        from vllm_lookahead.worker import TreeRequest
+
+        wanted = []
+        for i, state, n_tok, room in live:
+            x = int(token_ids[i, n_tok - 1])
+            s = state.settings
+            cands = state.pool.get(x)[: s.guess_set_size]
+            wanted.append((s.ngram_size, s.window_size, len(cands), x, cands))
+        use_window, cap = fit_budget(
+            [(n, w, g) for n, w, g, _, _ in wanted], self.cfg.max_tree_tokens, with_root=True
+        )
+        if not use_window:
+            self.stats.steps_window_off += 1
+        trees, work = [], []
+        for (i, state, n_tok, room), (n, w, g, x, cands) in zip(live, wanted):
+            if room <= 0:
+                continue
+            if cap < 0:
+                drafts[i] = self._unchecked(state, x) if unchecked else []
+                continue
+            w = w if use_window else 0
+            cands = cands[:cap]
+            layout = build_tree(n, w, len(cands))
             p = n_tok - 1
+            if p + int(layout.depth.max()) >= self.max_model_len:
+                drafts[i] = self._unchecked(state, x) if unchecked else []
+                continue
+            toks = fill_tree_tokens(layout, x, state.window.levels, _cand_array(cands, n))
             trees.append(
                 TreeRequest(
                     tokens=toks,
@@ -125,34 +355,90 @@ class LookaheadProposer:
                     batch_index=i,
                 )
             )
-            work.append((i, state, layout, cands, room, x))
+            work.append((i, state, layout, cands, x, w > 0))
+        if not trees:
+            return
+        preds = self.worker.run(trees)
+        self.stats.lookahead_passes += 1
+        self.stats.pass_requests += len(trees)
+        self.stats.lookahead_query_tokens += sum(len(t.tokens) for t in trees)
+        for (i, state, layout, cands, x, window), pred in zip(work, preds):
+            if window:
+                self._jacobi_step(state, layout, x, pred)
+            drafts[i] = self._best_confirmed(state, layout, cands, pred)
 
-        if trees:
-            preds = self.worker.run(trees)
-            self.stats.lookahead_passes += 1
-            self.stats.lookahead_query_tokens += sum(len(t.tokens) for t in trees)
-            for (i, state, layout, cands, room, x), pred in zip(work, preds):
-                drafts[i] = self._update(state, layout, cands, room, x, pred)
+    # -- shared internals -----------------------------------------------------
+    def _jacobi_step(self, state: RequestState, layout: TreeLayout, root: int,
+                     pred: np.ndarray) -> None:
+        """Harvest the window's column n-grams into the pool, then shift."""
+        window = state.window
+        new = pred[layout.newest_level]
+        if window.warm:
+            for key, cont in window.columns(root, new):
+                state.pool.add(key, cont, SOURCE_WINDOW)
+        window.shift(new)
 
-        self.stats.live_requests = len(self.states)
-        self.stats.proposer_time_s += time.perf_counter() - t0
-        return drafts
+    def _best_confirmed(self, state: RequestState, layout: TreeLayout, cands,
+                        pred: np.ndarray) -> list[int]:
+        """The checked chain of a tree: the candidate with the longest prefix
+        the argmax chain confirms (``pred[0]`` is the argmax after the root,
+        ``pred[node]`` the argmax after ``node``), then the most often seen,
+        then the newest; plus the argmax after it. At least one token."""
+        matches, counts = [], []
+        for c, (cont, count, _) in enumerate(cands):
+            nodes = layout.cand_index[c]
+            m = 0
+            expect = int(pred[0])
+            while m < len(cont) and cont[m] == expect:
+                expect = int(pred[nodes[m]])
+                m += 1
+            matches.append(m)
+            counts.append(count)
+        best = choose_candidate(matches, counts)
+        if best >= 0 and matches[best] > 0:
+            m = matches[best]
+            cont, _, source = cands[best]
+            draft = list(cont[:m])
+            sources = [source] * m
+            draft.append(int(pred[layout.cand_index[best][m - 1]]))
+        else:
+            draft, sources = [int(pred[0])], []
+        sources.append(SOURCE_MODEL)
+        state.draft_sources = sources
+        return draft
 
-    # -- internals ---------------------------------------------------------
+    def _unchecked(self, state: RequestState, x: int) -> list[int]:
+        """The pool's most often seen (then newest) continuation of ``x``."""
+        cands = state.pool.get(x)[: state.settings.guess_set_size]
+        best = choose_candidate([0] * len(cands), [c for _, c, _ in cands])
+        if best < 0:
+            state.draft_sources = []
+            return []
+        cont, _, source = cands[best]
+        state.draft_sources = [source] * len(cont)
+        self.stats.unchecked_drafts += 1
+        return list(cont)
+
     def _new_state(self, runner, req_id: str, tokens: np.ndarray, n_tok: int) -> RequestState:
         cfg = self.cfg
         req = runner.requests.get(req_id)
         n_prompt = req.num_prompt_tokens if req is not None else n_tok
         params = getattr(req, "sampling_params", None)
+        try:
+            settings = request_settings(getattr(params, "extra_args", None), cfg)
+        except LookaheadConfigError as e:  # validated by the frontend; be safe
+            logger.warning("Lookahead: request %s: %s; lookahead off for it", req_id, e)
+            settings = RequestSettings(enabled=False)
         prompt = tokens[: max(min(n_prompt, n_tok), 1)]
         window = JacobiWindow.random_init(
-            cfg.ngram_size, cfg.window_size, prompt, request_seed(cfg.seed, prompt)
+            settings.ngram_size, settings.window_size, prompt, request_seed(cfg.seed, prompt)
         )
         state = RequestState(
             window=window,
-            pool=NGramPool(cfg.guess_set_size),
+            pool=NGramPool(settings.guess_set_size),
             num_prompt_tokens=n_prompt,
             max_tokens=getattr(params, "max_tokens", None),
+            settings=settings,
         )
         self.states[req_id] = state
         return state
@@ -175,49 +461,14 @@ class LookaheadProposer:
             st.accepted_by_source[src] += 1
         state.draft_sources = []
 
-    def _update(self, state: RequestState, layout, cands, room: int, x: int, pred: np.ndarray) -> list[int]:
-        cfg = self.cfg
-        window = state.window
-        if cfg.window_size:
-            # Jacobi step: harvest the columns' n-grams, then shift.
-            new = pred[layout.newest_level]
-            if window.warm:
-                for key, cont in window.columns(x, new):
-                    state.pool.add(key, cont, SOURCE_WINDOW)
-            window.shift(new)
-        # Check every candidate against the pass's argmax chain.
-        root_pred = int(pred[0])
-        matches, counts = [], []
-        for c, (cont, count, _) in enumerate(cands):
-            nodes = layout.cand_index[c]
-            m = 0
-            expect = root_pred
-            while m < len(cont) and cont[m] == expect:
-                expect = int(pred[nodes[m]])
-                m += 1
-            matches.append(m)
-            counts.append(count)
-        best = choose_candidate(matches, counts)
-        if best >= 0 and matches[best] > 0:
-            m = matches[best]
-            cont, _, source = cands[best]
-            draft = list(cont[:m])
-            sources = [source] * m
-            nxt = int(pred[layout.cand_index[best][m - 1]])
-        else:
-            draft, sources, nxt = [], [], root_pred
-        draft.append(nxt)
-        sources.append(SOURCE_MODEL)
-        draft, sources = draft[:room], sources[:room]
-        state.draft_sources = sources
-        st = self.stats
-        st.drafts += 1
-        st.draft_tokens += len(draft)
-        return draft
-
     def get_stats(self) -> dict:
         self.stats.live_requests = len(self.states)
         self.stats.pool_ngrams = sum(len(s.pool) for s in self.states.values())
         d = self.stats.to_dict()
         d["config"] = self.cfg.to_dict()
+        d["mode"] = "fused" if self.fused else "separate"
         return d
+
+
+def _cand_array(cands, ngram_size: int) -> np.ndarray:
+    return np.array([c for c, _, _ in cands], dtype=np.int32).reshape(len(cands), ngram_size - 1)

@@ -155,6 +155,10 @@ class RequestState:
     pooled_upto: int = 0
     #: Sources of the draft handed to the verifier last step, per position.
     draft_sources: list[str] = field(default_factory=list)
+    #: The request's own settings (``config.RequestSettings``).
+    settings: object = None
+    #: Fused mode: the tree planned for the request's next step.
+    plan: object = None
 
     def add_context_ngrams(self, tokens: np.ndarray, n: int, upto: int) -> None:
         """Add every n-gram of ``tokens[:upto]`` not added yet (prompt pool)."""

@@ -33,7 +33,21 @@ class LookaheadStats:
             accepted text), "model" (the pass's next-token prediction).
         live_requests, pool_ngrams: current number of request states and
             n-grams held in their pools.
-        proposer_time_s: wall time spent in the proposer (pass included).
+        proposer_time_s: wall time spent in the proposer (separate mode:
+            the lookahead pass included; fused mode: the tree rows ride in
+            vLLM's forward and are not counted here).
+        fused_steps: engine steps whose forward carried tree tokens (fused).
+        trees_dropped: planned trees not run because vLLM scheduled the
+            request differently than planned (draft cut, preemption).
+        unchecked_drafts: drafts taken from the pool without a check by the
+            model (fused mode after a rejected draft; load shedding).
+        steps_window_off / steps_off: steps where the tree-token budget left
+            the windows out / where the batch was too big for lookahead.
+        fused_trees: request trees that rode in vLLM's forward (fused).
+        pass_requests: request trees run in an extra forward (separate mode,
+            or a fused-mode catch-up pass).
+        catch_up_requests: fused mode: requests that needed a catch-up pass
+            (their first step, or their last tree missed).
     """
 
     decode_steps: int = 0
@@ -49,11 +63,27 @@ class LookaheadStats:
     live_requests: int = 0
     pool_ngrams: int = 0
     proposer_time_s: float = 0.0
+    fused_steps: int = 0
+    trees_dropped: int = 0
+    unchecked_drafts: int = 0
+    steps_window_off: int = 0
+    steps_off: int = 0
+    fused_trees: int = 0
+    pass_requests: int = 0
+    catch_up_requests: int = 0
 
     @property
     def step_compression(self) -> float:
         """Generated tokens per request-step of the verifier (1.0 = vanilla)."""
         return self.generated_tokens / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Generated tokens per target-model forward a request took part in:
+        the verification steps plus the extra lookahead passes (every step
+        in separate mode, catch-up steps in fused mode)."""
+        forwards = self.decode_steps + self.pass_requests
+        return self.generated_tokens / forwards if forwards else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -63,6 +93,7 @@ class LookaheadStats:
         d = asdict(self)
         d["step_compression"] = self.step_compression
         d["acceptance_rate"] = self.acceptance_rate
+        d["tokens_per_forward"] = self.tokens_per_forward
         return d
 
 

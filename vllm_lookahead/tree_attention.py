@@ -156,6 +156,21 @@ def gather_kv(
     return take_kv(kv_cache, gather_index(block_ids, length, kv_cache.shape[1], layout))
 
 
+def tree_attention_mask(
+    tree_mask: torch.Tensor, length: int, positions: torch.Tensor, sliding_window: int = -1
+) -> torch.Tensor:
+    """bool [T, L+T]: what each tree node may see, the cached prefix of
+    ``length`` tokens first (all of it, or the last ``sliding_window``
+    positions), then the tree (``tree_mask``). Same for every layer with the
+    same sliding window: build it once per step."""
+    t = tree_mask.shape[0]
+    allowed = torch.cat([torch.ones(t, length, dtype=torch.bool), tree_mask], dim=1)
+    if sliding_window is not None and sliding_window > 0:
+        key_pos = torch.cat([torch.arange(length), positions.cpu()])
+        allowed = allowed & (key_pos[None, :] > positions.cpu()[:, None] - sliding_window)
+    return allowed
+
+
 def tree_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -167,6 +182,7 @@ def tree_attention(
     scale: float,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of T tree nodes over a cached prefix of L tokens plus the tree.
 
@@ -178,28 +194,31 @@ def tree_attention(
         sliding_window: > 0 to limit each query to the last that many
             positions (itself included), -1 for none.
         softcap: > 0 to apply ``softcap * tanh(s / softcap)`` to the scores.
+        allowed: optional precomputed :func:`tree_attention_mask`.
     Returns:
         [T, H, D] in the query's dtype.
     """
     t, h, d = query.shape
     kvh, length, _ = ctx_key.shape
-    k = torch.cat([ctx_key, key.transpose(0, 1)], dim=1).float()  # [KVH, L+T, D]
-    v = torch.cat([ctx_value, value.transpose(0, 1)], dim=1).float()
+    if allowed is None:
+        allowed = tree_attention_mask(tree_mask, length, positions, sliding_window)
+    allowed = allowed.to(query.device)
+    k = torch.cat([ctx_key, key.transpose(0, 1).to(ctx_key.dtype)], dim=1)  # [KVH, L+T, D]
+    v = torch.cat([ctx_value, value.transpose(0, 1).to(ctx_value.dtype)], dim=1)
+    q = query.transpose(0, 1).to(k.dtype)  # [H, T, D]
+    if not softcap or softcap <= 0:
+        # Fused kernel, grouped-query heads without copying K/V.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+            attn_mask=allowed, scale=scale, enable_gqa=h != kvh,
+        )[0]
+        return out.transpose(0, 1).to(query.dtype)
+    k, v, q = k.float(), v.float(), q.float()
     if h != kvh:
         k = k.repeat_interleave(h // kvh, dim=0)
         v = v.repeat_interleave(h // kvh, dim=0)
-    q = query.transpose(0, 1).float()  # [H, T, D]
     scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, T, L+T]
-    if softcap and softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    allowed = torch.cat(
-        [torch.ones(t, length, dtype=torch.bool, device=query.device), tree_mask], dim=1
-    )
-    if sliding_window is not None and sliding_window > 0:
-        key_pos = torch.cat(
-            [torch.arange(length, device=query.device), positions.to(query.device)]
-        )
-        allowed = allowed & (key_pos[None, :] > positions[:, None] - sliding_window)
+    scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~allowed, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [H, T, D]
     return out.transpose(0, 1).to(query.dtype)

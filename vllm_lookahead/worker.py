@@ -1,12 +1,18 @@
 """Runs the lookahead branch inside vLLM's model runner.
 
-One batched, tree-masked forward of the *target* model over the trees of all
-running requests. Every attention layer's ``impl`` is wrapped once by
-:class:`TreeAttentionImpl`: during our pass (recognised by its metadata type)
-it computes :func:`tree_attention` over the request's paged KV cache, read
-only; during vLLM's own forwards it hands the call to the original impl
-untouched. The pass sets an empty slot mapping, so vLLM's
-``unified_kv_cache_update`` writes nothing: the verifier's KV stays exact.
+Every attention layer's ``impl`` is wrapped once by :class:`TreeAttentionImpl`.
+Two ways to run the trees of all running requests:
+
+* fused (:meth:`LookaheadWorker.fused_forward`, one target forward per step):
+  the tree tokens are appended after vLLM's own query tokens of the step.
+  vLLM's backend attends and caches its tokens as usual (the cache update is
+  cut to the step's slot mapping); the wrapper then computes
+  :func:`tree_attention` for the appended rows over the request's paged KV
+  cache, which by then holds the step's verification tokens, read only.
+* separate (:meth:`LookaheadWorker.run`): a second forward over the trees
+  alone, with an empty slot mapping so nothing is written.
+
+Outside those, the wrapper hands every call to the original impl untouched.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from vllm_lookahead.tree_attention import (
     probe_block_layout,
     take_kv,
     tree_attention,
+    tree_attention_mask,
 )
 
 logger = init_logger(__name__)
@@ -61,6 +68,22 @@ class TreeAttnMetadata:
     #: built on first use and shared by every layer of that group and layout.
     gather: dict
     block_ids: list[list[torch.Tensor]]  # [kv group][request] -> int block ids
+    #: Row of the first tree token in the forward's batch (fused: after
+    #: vLLM's own tokens); ``positions`` starts there.
+    offset: int = 0
+    #: (request, sliding window) -> tree_attention_mask, shared by layers.
+    allowed: dict = None
+
+    def attention_mask(self, r: int, window: int) -> torch.Tensor:
+        if self.allowed is None:
+            self.allowed = {}
+        m = self.allowed.get((r, window))
+        if m is None:
+            s, e = self.starts[r] - self.offset, self.ends[r] - self.offset
+            m = self.allowed[(r, window)] = tree_attention_mask(
+                self.masks[r], self.context_lens[r], self.positions[s:e], window
+            )
+        return m
 
     def gather_indices(self, group: int, layout: BlockLayout, num_kv_heads: int) -> list:
         key = (group, id(layout))
@@ -77,25 +100,39 @@ class TreeAttentionImpl:
     """Wraps an attention impl: our tree attention during lookahead passes,
     the original backend otherwise. Other attributes pass through."""
 
-    def __init__(self, inner, layer_name: str, group: int, layout: BlockLayout) -> None:
+    def __init__(self, inner, layer_name: str, group: int, layout: BlockLayout, owner) -> None:
         self._inner = inner
         self._layer_name = layer_name
         self._group = group
         self._layout = layout
+        self._owner = owner  # the LookaheadWorker (holds the fused metadata)
+        self._softcap = float(getattr(inner, "logits_soft_cap", 0) or 0)
+        window = getattr(inner, "sliding_window", -1)
+        self._window = -1 if window is None else int(window)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        # In a fused step key/value also hold the tree rows: cache only
+        # vLLM's own tokens (the first len(slot_mapping) rows).
+        n = slot_mapping.shape[0]
+        return self._inner.do_kv_cache_update(layer, key[:n], value[:n], kv_cache, slot_mapping)
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
-        if not isinstance(attn_metadata, TreeAttnMetadata):
-            return self._inner.forward(
-                layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
-            )
-        m = attn_metadata
+        if isinstance(attn_metadata, TreeAttnMetadata):
+            return self._tree(attn_metadata, query, key, value, kv_cache, output)
+        fused = self._owner.fused_meta
+        out = self._inner.forward(
+            layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs
+        )
+        if fused is not None:
+            self._tree(fused, query, key, value, kv_cache, output)
+        return out
+
+    def _tree(self, m: "TreeAttnMetadata", query, key, value, kv_cache, output):
         inner = self._inner
-        softcap = float(getattr(inner, "logits_soft_cap", 0) or 0)
-        window = getattr(inner, "sliding_window", -1)
-        window = -1 if window is None else int(window)
+        softcap, window = self._softcap, self._window
         indices = m.gather_indices(self._group, self._layout, kv_cache.shape[1])
         for r in range(len(m.starts)):
             s, e = m.starts[r], m.ends[r]
@@ -107,10 +144,11 @@ class TreeAttentionImpl:
                 ck,
                 cv,
                 m.masks[r],
-                m.positions[s:e],
+                m.positions[s - m.offset : e - m.offset],
                 inner.scale,
                 sliding_window=window,
                 softcap=softcap,
+                allowed=m.attention_mask(r, window),
             ).to(output.dtype)
         return output
 
@@ -144,6 +182,8 @@ class LookaheadWorker:
 
     def __init__(self, runner) -> None:
         self.runner = runner
+        #: TreeAttnMetadata of the tree rows during a fused forward, else None.
+        self.fused_meta: TreeAttnMetadata | None = None
         self.vllm_config = runner.vllm_config
         layers = self.vllm_config.compilation_config.static_forward_context
         group_of = {}
@@ -158,6 +198,7 @@ class LookaheadWorker:
             if impl is None or name not in group_of:
                 continue
             if isinstance(impl, TreeAttentionImpl):
+                impl._owner = self
                 self.layer_names.append(name)
                 continue
             _check_supported(name, layer, impl)
@@ -177,7 +218,7 @@ class LookaheadWorker:
                         impl.do_kv_cache_update(layer, k, v, cache, slots)
                     ),
                 )
-            layer.impl = TreeAttentionImpl(impl, name, group_of[name], layouts[key])
+            layer.impl = TreeAttentionImpl(impl, name, group_of[name], layouts[key], self)
             self.layer_names.append(name)
         if not self.layer_names:
             raise RuntimeError("lookahead: found no attention layers to wrap")
@@ -195,14 +236,10 @@ class LookaheadWorker:
             out.append(table.block_table.cpu[batch_index, :nb])
         return out
 
-    @torch.inference_mode()
-    def run(self, requests: list[TreeRequest]) -> list[np.ndarray]:
-        """One tree-masked forward over all requests' trees.
-
-        Returns, per request, int64 [T] the target's argmax at every node.
-        """
+    def _metadata(self, requests: list[TreeRequest], offset: int = 0):
+        """Inputs and attention metadata of the trees, rows from ``offset``."""
         sizes = [len(r.tokens) for r in requests]
-        ends = np.cumsum(sizes).tolist()
+        ends = (np.cumsum(sizes) + offset).tolist()
         starts = [e - s for e, s in zip(ends, sizes)]
         input_ids = torch.from_numpy(np.concatenate([r.tokens for r in requests]).astype(np.int32))
         positions = torch.from_numpy(np.concatenate([r.positions for r in requests]).astype(np.int64))
@@ -211,15 +248,51 @@ class LookaheadWorker:
             starts=starts,
             ends=ends,
             context_lens=[r.context_len for r in requests],
-            masks=[torch.from_numpy(r.mask.copy()) for r in requests],
+            masks=[torch.from_numpy(np.ascontiguousarray(r.mask)) for r in requests],
             positions=positions,
             gather={},
             block_ids=[[b[g] for b in per_req_blocks] for g in range(self.num_groups)],
+            offset=offset,
         )
+        return input_ids, positions, meta
+
+    @torch.inference_mode()
+    def run(self, requests: list[TreeRequest]) -> list[np.ndarray]:
+        """Separate mode: one tree-masked forward over all requests' trees.
+
+        Returns, per request, int64 [T] the target's argmax at every node.
+        """
+        input_ids, positions, meta = self._metadata(requests)
         model = self.runner.model
-        total = int(ends[-1])
+        total = int(input_ids.shape[0])
         with set_forward_context(meta, self.vllm_config, num_tokens=total, slot_mapping={}):
             hidden = model(input_ids=input_ids, positions=positions)
-        logits = model.compute_logits(hidden)
-        pred = logits.argmax(dim=-1).numpy()
-        return [pred[s:e] for s, e in zip(starts, ends)]
+        pred = _argmax(model.compute_logits(hidden))
+        return [pred[s:e] for s, e in zip(meta.starts, meta.ends)]
+
+    def fused_forward(self, forward, requests: list[TreeRequest], input_ids, positions, **kwargs):
+        """Fused mode: vLLM's model forward of the step with the trees'
+        tokens appended (``forward`` is the runner's own model call).
+
+        Returns ``(hidden, preds)``: vLLM's hidden states (its rows only, as
+        if nothing was appended) and, per request, int64 [T] the target's
+        argmax at every tree node.
+        """
+        n = int(input_ids.shape[0])
+        ids, pos, meta = self._metadata(requests, offset=n)
+        ids = torch.cat([input_ids, ids.to(input_ids.device, input_ids.dtype)])
+        pos = torch.cat([positions, pos.to(positions.device, positions.dtype)])
+        self.fused_meta = meta
+        try:
+            hidden = forward(input_ids=ids, positions=pos, **kwargs)
+        finally:
+            self.fused_meta = None
+        with torch.inference_mode():
+            pred = _argmax(self.runner.model.compute_logits(hidden[n:]))
+        return hidden[:n], [pred[s - n : e - n] for s, e in zip(meta.starts, meta.ends)]
+
+
+def _argmax(logits: torch.Tensor) -> np.ndarray:
+    """int64 [T] argmax of [T, vocab] logits (``max`` is the faster kernel on
+    CPU; ties: the first index, like ``argmax``)."""
+    return logits.max(dim=-1).indices.cpu().numpy()
