@@ -42,6 +42,7 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "latest.json"
 
 DEFAULT_METHODS = ["vanilla", "ngram", "la:4,5,5", "la:4,5,5,nopool", "la:5,7,7"]
 DATASETS = ("humaneval", "mtbench")
+MODEL_NAMES = ("smollm2", "qwen-coder")  # vllm_lookahead.assets.MODELS
 SOURCES = ("window", "prompt", "model")
 
 # vLLM's ngram (prompt lookup) proposer: drafts up to K tokens copied from the
@@ -419,7 +420,7 @@ def render_table(rows: Sequence[dict[str, Any]]) -> str:
     for (model, dtype, dataset, bs), members in groups.items():
         n = next((r.get("n_prompts") for r in members if r.get("n_prompts")), None)
         mt = next((r.get("max_tokens") for r in members if r.get("max_tokens")), None)
-        extra = f", {n} prompts" if n else ""
+        extra = f", {n} prompt{'s' if n != 1 else ''}" if n else ""
         extra += f" x {mt} tokens" if mt else ""
         lines.append(f"== {model} {dtype} | {dataset} | batch size {bs}{extra}")
         lines.append(header)
@@ -466,6 +467,10 @@ def render_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str],
         panels.setdefault((row.get("model"), row.get("dtype"), row.get("batch_size")), []).append(row)
     if not panels:
         panels[("no results", "", "")] = []
+    noisy = noisy_rows(rows)
+    if noisy:
+        title = (title + "\n" if title else "") + (
+            "hatched speedup bars: timed while other processes kept the CPU busy (unreliable)")
     n = len(panels)
     fig, axes = plt.subplots(n, 2, figsize=(13, 3.4 * n + 0.8), squeeze=False)
     for (model, dtype, bs), axrow in zip(panels, axes):
@@ -476,7 +481,7 @@ def render_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str],
         for ax, key, ylabel in ((axrow[0], "ratio", "speedup vs vanilla (tok/s ratio)"),
                                 (axrow[1], "step_compression", "step compression S")):
             for j, ds in enumerate(datasets):
-                xs, ys = [], []
+                xs, ys, hatches = [], [], []
                 for i, m in enumerate(methods):
                     row = next((r for r in members if r.get("method") == m
                                 and r.get("dataset") == ds), None)
@@ -484,7 +489,10 @@ def render_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str],
                     if value is not None and math.isfinite(value):
                         xs.append(i - 0.4 + width * (j + 0.5))
                         ys.append(value)
-                bars = ax.bar(xs, ys, width, label=ds)
+                        hatches.append("//" if key == "ratio" and row in noisy else None)
+                bars = ax.bar(xs, ys, width, label=ds, color=f"C{j}")
+                for bar, hatch in zip(bars, hatches):
+                    bar.set_hatch(hatch)
                 ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
             ax.axhline(1.0, color="grey", lw=0.8, ls="--")
             ax.set_xticks(range(len(methods)))
@@ -629,6 +637,16 @@ def machine_busy_s() -> float | None:
     values = [int(v) for v in fields[1:9]]
     busy = sum(values) - values[3] - values[4]
     return busy / os.sysconf("SC_CLK_TCK")
+
+
+def other_load_now(seconds: float = 1.0) -> float | None:
+    """CPU cores kept busy by other processes over the next ``seconds``."""
+    before, own = machine_busy_s(), time.process_time()
+    if before is None:
+        return None
+    time.sleep(seconds)
+    others = machine_busy_s() - before - (time.process_time() - own)
+    return max(0.0, others / seconds)
 
 
 def _peak_rss_mb() -> float:
@@ -828,12 +846,13 @@ def _run_child(cfg: dict[str, Any], timeout: float | None, verbose: bool) -> Run
         if hasattr(os, "getloadavg"):
             res.info["load_avg_at_end"] = list(os.getloadavg())
         text_tail = tail.decode("utf-8", "replace").replace("\r", "\n")
+        # The reason goes last: the table shows an error's last line.
         if timed_out:
-            res.error = f"timed out after {timeout:.0f} s\n{text_tail[-2000:]}"
+            res.error = f"{text_tail[-2000:]}\ntimed out after {timeout:.0f} s"
         elif data.get("error"):
             res.error = data["error"]
         elif proc.returncode != 0:
-            res.error = f"engine process exited with {proc.returncode}\n{text_tail[-2000:]}"
+            res.error = f"{text_tail[-2000:]}\nengine process exited with {proc.returncode}"
         elif not data:
             res.error = "engine process wrote no result"
         return res
@@ -878,10 +897,11 @@ def run_benchmark(args: argparse.Namespace, methods: list[Method], argv: Sequenc
 
     meta = machine_info(argv)
     meta["args"] = {k: v for k, v in vars(args).items() if k not in ("child", "from_json")}
-    load = meta.get("load_avg_at_start") or [0.0]
-    if load[0] > 0.5:
-        tqdm.write(f"warning: load average {load[0]:.2f} at start; vLLM on CPU is very "
-                   f"sensitive to other load, figures may be noisy", file=sys.stderr)
+    busy = other_load_now()
+    meta["other_load_at_start"] = busy
+    if busy is not None and busy > NOISY_OTHER_LOAD:
+        tqdm.write(f"warning: other processes keep {busy:.2f} CPU cores busy; vLLM on CPU "
+                   f"is very sensitive to other load, figures may be noisy", file=sys.stderr)
     rows: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
     outputs: dict[tuple, list[list[int]]] = {}
@@ -982,7 +1002,7 @@ def build_parser() -> argparse.ArgumentParser:
                "e.g. --methods vanilla ngram la:4,5,5 la:4,5,5,nopool "
                "la:4,5,5,mode=separate la:5,7,7",
     )
-    p.add_argument("--models", nargs="+", default=["smollm2"],
+    p.add_argument("--models", nargs="+", default=["smollm2"], choices=MODEL_NAMES,
                    help="smollm2 and/or qwen-coder (default: smollm2)")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16"],
                    choices=["bfloat16", "float32"])
