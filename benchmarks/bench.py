@@ -73,8 +73,9 @@ _LA_NOT_COUNTERS = frozenset({"acceptance_rate", "step_compression", "tokens_per
 
 # A timed section during which other processes kept more than this many
 # CPU cores busy on average (machine-wide busy time minus the engine
-# process's own) is flagged: vLLM on CPU slows down badly under other load,
-# and its spinning threads keep its own CPU share near 100% regardless.
+# process's own) is flagged: vLLM on CPU runs OpenMP threads on every core
+# and slows down by an order of magnitude when one of them is descheduled,
+# while its own CPU time stays high.
 NOISY_OTHER_LOAD = 0.25
 
 
