@@ -27,6 +27,7 @@ PROPOSER_QUALNAME = "vllm_lookahead.proposer.LookaheadProposer"
 PASSTHROUGH_KEYS = frozenset(
     {
         "num_speculative_tokens",
+        "num_speculative_tokens_per_batch_size",
         "rejection_sample_method",
         "enforce_eager",
     }

@@ -158,14 +158,20 @@ def _patch_request_validation() -> None:
 
 
 def _validation_error(message: str) -> Exception:
+    """vLLM's request-validation error (HTTP 400 on the server), which is
+    also a ``ValueError`` for Python callers."""
     try:
         from vllm.exceptions import VLLMValidationError
     except ImportError:  # pragma: no cover - other vLLM layouts
         return ValueError(message)
+
+    class LookaheadRequestError(VLLMValidationError, ValueError):
+        pass
+
     try:
-        return VLLMValidationError(message, parameter="extra_args")
+        return LookaheadRequestError(message, parameter="extra_args")
     except TypeError:  # pragma: no cover
-        return VLLMValidationError(message)
+        return LookaheadRequestError(message)
 
 
 #: Name of the worker method added by :func:`_add_worker_stats_method`.

@@ -119,6 +119,7 @@ class LookaheadProposer:
         self.worker = None  # LookaheadWorker, bound on the first step
         #: req id -> tokens scheduled this step (set by on_update_states).
         self._scheduled: dict[str, int] = {}
+        self._spec_k: int | None = None
         #: fused: req id -> (PlannedTree, argmax of its appended nodes).
         self._fused_out: dict[str, tuple[PlannedTree, np.ndarray]] = {}
         logger.info("Lookahead decoding: %s, draft length %d", self.cfg, self.num_spec_tokens)
@@ -144,6 +145,8 @@ class LookaheadProposer:
         for req_id in resumed or ():
             self.states.pop(req_id, None)
         self._scheduled = scheduler_output.num_scheduled_tokens
+        # vLLM's per-batch-size draft length (num_speculative_tokens_per_batch_size).
+        self._spec_k = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
 
     def model_forward(self, runner, forward, input_ids, positions, **kwargs):
         """The runner's model call of a step (fused mode): append the planned
@@ -204,6 +207,9 @@ class LookaheadProposer:
         cfg = self.cfg
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         fused_out, self._fused_out = self._fused_out, {}
+        spec_k = self.num_spec_tokens
+        if self._spec_k is not None:
+            spec_k = min(spec_k, int(self._spec_k))
 
         # Requests that decode this step, with their state up to date.
         live = []  # (batch index, state, num tokens, room)
@@ -225,7 +231,7 @@ class LookaheadProposer:
                 out = fused_out.get(req_id)
                 if out is not None:
                     drafts[i] = self._harvest(state, out[0], out[1], sampled)
-            room = min(self.num_spec_tokens, self.max_model_len - n_tok - 1)
+            room = min(spec_k, self.max_model_len - n_tok - 1)
             live.append((i, state, n_tok, room))
 
         if cfg.disable_batch_size and len(live) >= cfg.disable_batch_size:
