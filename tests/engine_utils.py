@@ -17,7 +17,15 @@ ENGINE_DEFAULTS = dict(
     kv_cache_memory_bytes=512 << 20,
 )
 
-LOOKAHEAD = {"method": "lookahead", "ngram_size": 4, "window_size": 5, "guess_set_size": 5}
+#: N=4 W=5 G=5; lookahead on at every batch size (the CPU default turns it
+#: off from 2 decoding requests, which would leave batching untested).
+LOOKAHEAD = {
+    "method": "lookahead",
+    "ngram_size": 4,
+    "window_size": 5,
+    "guess_set_size": 5,
+    "disable_batch_size": 0,
+}
 
 
 def make_llm(model, speculative_config=None, **kwargs):

@@ -37,7 +37,8 @@ def _range_text(field):
 
 def test_defaults_valid():
     cfg = LookaheadConfig()
-    assert (cfg.ngram_size, cfg.window_size, cfg.guess_set_size) == (4, 5, 5)
+    assert (cfg.ngram_size, cfg.window_size, cfg.guess_set_size) == (4, 3, 3)
+    assert cfg.disable_batch_size is None  # platform default
     assert cfg.prompt_pool is True
     assert cfg.seed == 0
     assert cfg.max_draft_len == cfg.ngram_size
@@ -81,6 +82,9 @@ def test_out_of_range_rejected(field, value):
 @pytest.mark.parametrize("field", sorted(RANGES))
 @pytest.mark.parametrize("value", ["5", 5.0, True, False, None, [5]])
 def test_wrong_type_rejected(field, value):
+    if value is None and field == "disable_batch_size":
+        assert LookaheadConfig(disable_batch_size=None).disable_batch_size is None  # = auto
+        return
     with pytest.raises(LookaheadConfigError) as ei:
         LookaheadConfig(**{field: value})
     msg = str(ei.value)
@@ -296,6 +300,7 @@ ENGINE = LookaheadConfig(ngram_size=5, window_size=6, guess_set_size=4)
 
 
 def test_request_settings_default_to_engine():
+    assert RequestSettings() == request_settings(None, LookaheadConfig())
     for extra in (None, {}, {"other": 1}):
         s = request_settings(extra, ENGINE)
         assert s == RequestSettings(True, 5, 6, 4)

@@ -32,6 +32,7 @@ def test_engine_args_accept_lookahead(tiny_model_path):
     assert sc.num_speculative_tokens == 3  # N: confirmed (N-1)-gram + next token
     assert cfg.additional_config["lookahead"] == {
         "ngram_size": 3, "window_size": 2, "guess_set_size": 1, "prompt_pool": True, "seed": 0,
+        "mode": "fused", "max_tree_tokens": 0, "disable_batch_size": None,
     }
     assert args.speculative_config == spec  # the user's dict is left as given
 
@@ -79,3 +80,13 @@ def test_llm_runs_lookahead_on_tiny_model(tiny_model_path):
         assert len(out[0].outputs[0].token_ids) == 32
         st = proposer(llm).get_stats()
         assert st["lookahead_passes"] > 0 and st["config"]["ngram_size"] == 3
+        assert st["fused_steps"] > 0 and st["mode"] == "fused"
+        # CPU default: lookahead off once 2 requests decode together.
+        from vllm_lookahead.config import CPU_DISABLE_BATCH_SIZE
+
+        assert st["disable_batch_size"] == CPU_DISABLE_BATCH_SIZE == 2
+        assert st["steps_off"] == 0
+        prompts = [TokensPrompt(prompt_token_ids=list(range(10 + i, 40))) for i in range(3)]
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                     use_tqdm=False)
+        assert proposer(llm).get_stats()["steps_off"] > 0

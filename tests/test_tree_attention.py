@@ -392,3 +392,57 @@ def test_tree_attention_keeps_query_dtype():
     )
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=5e-2, rtol=5e-2)
+
+
+# --------------------------------------------------------------------------
+# (c) the worker's batched path (all requests in one padded SDPA call)
+#     equals the per-request path
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [-1, 40])
+def test_batched_tree_attention_equals_per_request(window):
+    from types import SimpleNamespace
+
+    from vllm_lookahead.worker import TreeAttentionImpl, TreeAttnMetadata
+
+    torch.manual_seed(0)
+    kvh, h, hd, bs = 2, 6, 64, 16
+    cache = torch.zeros(12, kvh, bs, 2 * hd)
+    layout = probe_block_layout(bs, kvh, hd, torch.float32, _vllm_writer("vec"))
+    reqs = [(37, [3, 0, 9], (4, 3, 2)), (5, [7], (3, 2, 0)), (60, [1, 4, 8, 11], (2, 4, 3))]
+    offset = 5  # fused: tree rows follow vLLM's own rows
+    starts, ends, lens, masks, pos, blocks = [], [], [], [], [], []
+    row = offset
+    for length, blk, (n, w, g) in reqs:
+        k = torch.randn(length, kvh, hd)
+        v = torch.randn(length, kvh, hd)
+        _vllm_writer("vec")(k, v, cache, _slots(blk, length, bs))
+        tree = build_tree(n, w, g)
+        starts.append(row)
+        row += tree.num_nodes
+        ends.append(row)
+        lens.append(length)
+        masks.append(torch.from_numpy(tree.mask.copy()))
+        pos.append(torch.from_numpy(length + tree.depth.astype(np.int64)))
+        blocks.append(torch.tensor(blk))
+    total = row
+    query = torch.randn(total, h, hd)
+    key = torch.randn(total, kvh, hd)
+    value = torch.randn(total, kvh, hd)
+
+    def meta():
+        return TreeAttnMetadata(
+            starts=starts, ends=ends, context_lens=lens, masks=masks,
+            positions=torch.cat(pos), gather={}, block_ids=[blocks], offset=offset,
+        )
+
+    inner = SimpleNamespace(scale=0.3, logits_soft_cap=0, sliding_window=window)
+    impl = TreeAttentionImpl(inner, "layer", 0, layout, owner=None)
+    batched = torch.full((total, h, hd), 7.0)
+    impl._tree(meta(), query, key, value, cache, batched)
+    single = torch.full((total, h, hd), 7.0)
+    impl._tree_per_request(meta(), query, key, value, cache, single)
+    torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
+    # vLLM's own rows are left alone
+    assert torch.all(batched[:offset] == 7.0)

@@ -112,6 +112,13 @@ class LookaheadProposer:
                 cg_mode,
             )
             self.fused = False
+        self.disable_batch_size = self.cfg.disable_batch_size
+        if self.disable_batch_size is None:
+            from vllm.platforms import current_platform
+
+            from vllm_lookahead.config import CPU_DISABLE_BATCH_SIZE
+
+            self.disable_batch_size = CPU_DISABLE_BATCH_SIZE if current_platform.is_cpu() else 0
         self.num_spec_tokens = spec.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.states: dict[str, RequestState] = {}
@@ -122,7 +129,8 @@ class LookaheadProposer:
         self._spec_k: int | None = None
         #: fused: req id -> (PlannedTree, argmax of its appended nodes).
         self._fused_out: dict[str, tuple[PlannedTree, np.ndarray]] = {}
-        logger.info("Lookahead decoding: %s, draft length %d", self.cfg, self.num_spec_tokens)
+        logger.info("Lookahead decoding: %s, draft length %d, off from %s decoding requests",
+                    self.cfg, self.num_spec_tokens, self.disable_batch_size or "no number of")
 
     # -- vLLM's custom proposer interface ---------------------------------
     def load_model(self, model) -> None:
@@ -234,7 +242,7 @@ class LookaheadProposer:
             room = min(spec_k, self.max_model_len - n_tok - 1)
             live.append((i, state, n_tok, room))
 
-        if cfg.disable_batch_size and len(live) >= cfg.disable_batch_size:
+        if self.disable_batch_size and len(live) >= self.disable_batch_size:
             self.stats.steps_off += 1
             for _, state, _, _ in live:
                 state.draft_sources = []
@@ -473,6 +481,7 @@ class LookaheadProposer:
         d = self.stats.to_dict()
         d["config"] = self.cfg.to_dict()
         d["mode"] = "fused" if self.fused else "separate"
+        d["disable_batch_size"] = self.disable_batch_size
         return d
 
 

@@ -73,6 +73,8 @@ class TreeAttnMetadata:
     offset: int = 0
     #: (request, sliding window) -> tree_attention_mask, shared by layers.
     allowed: dict = None
+    #: (group, layout, window) -> padded batch layout (see ``padded``).
+    pads: dict = None
 
     def attention_mask(self, r: int, window: int) -> torch.Tensor:
         if self.allowed is None:
@@ -84,6 +86,46 @@ class TreeAttnMetadata:
                 self.masks[r], self.context_lens[r], self.positions[s:e], window
             )
         return m
+
+    def padded(self, group: int, layout: BlockLayout, num_kv_heads: int, window: int):
+        """Everything one batched SDPA over all requests needs, built once per
+        step and shared by the layers of a (group, layout, window):
+
+        * ``idx``: int64 flat cache indices of every request's K and V,
+          padded to the longest context: viewed ``[2, R, KVH, L_max, D]``;
+        * ``rows`` / ``slots``: the tree rows of the forward's batch and
+          their places in the padded ``[R * T_max]`` query layout;
+        * ``mask``: bool ``[R, 1, T_max, L_max + T_max]``: cached prefix
+          (or its sliding window) then the tree; padded keys and queries
+          are masked off (a padded query sees only itself).
+        """
+        if self.pads is None:
+            self.pads = {}
+        key = (group, id(layout), window)
+        pad = self.pads.get(key)
+        if pad is not None:
+            return pad
+        r_n = len(self.starts)
+        sizes = [e - s for s, e in zip(self.starts, self.ends)]
+        t_max, l_max = max(sizes), max(max(self.context_lens), 1)
+        per_req = self.gather_indices(group, layout, num_kv_heads)
+        d = per_req[0][0].shape[-1]
+        idx = torch.zeros((2, r_n, num_kv_heads, l_max, d), dtype=torch.long)
+        mask = torch.zeros((r_n, 1, t_max, l_max + t_max), dtype=torch.bool)
+        mask[:, 0, torch.arange(t_max), l_max + torch.arange(t_max)] = True
+        rows, slots = [], []
+        for r, ((ik, iv), n, t) in enumerate(zip(per_req, self.context_lens, sizes)):
+            idx[0, r, :, :n] = ik
+            idx[1, r, :, :n] = iv
+            allowed = self.attention_mask(r, window)  # [t, n + t]
+            mask[r, 0, :t, :n] = allowed[:, :n]
+            mask[r, 0, :t, l_max : l_max + t] = allowed[:, n:]
+            rows.append(torch.arange(self.starts[r], self.ends[r]))
+            slots.append(torch.arange(t) + r * t_max)
+        pad = self.pads[key] = (
+            idx.view(-1), (r_n, l_max, t_max), torch.cat(rows), torch.cat(slots), mask
+        )
+        return pad
 
     def gather_indices(self, group: int, layout: BlockLayout, num_kv_heads: int) -> list:
         key = (group, id(layout))
@@ -131,6 +173,31 @@ class TreeAttentionImpl:
         return out
 
     def _tree(self, m: "TreeAttnMetadata", query, key, value, kv_cache, output):
+        if self._softcap:
+            return self._tree_per_request(m, query, key, value, kv_cache, output)
+        # All requests in one SDPA call, padded to the longest context/tree.
+        kvh = kv_cache.shape[1]
+        idx, (r_n, l_max, t_max), rows, slots, mask = m.padded(
+            self._group, self._layout, kvh, self._window
+        )
+        h, d = query.shape[1], query.shape[2]
+        ctx = kv_cache.view(-1).index_select(0, idx).view(2, r_n, kvh, l_max, d)
+        q = query.new_zeros((r_n * t_max, h, d))
+        k = key.new_zeros((r_n * t_max, kvh, d))
+        v = value.new_zeros((r_n * t_max, kvh, d))
+        q[slots] = query[rows]
+        k[slots] = key[rows]
+        v[slots] = value[rows]
+        k = torch.cat([ctx[0], k.view(r_n, t_max, kvh, d).transpose(1, 2).to(ctx.dtype)], dim=2)
+        v = torch.cat([ctx[1], v.view(r_n, t_max, kvh, d).transpose(1, 2).to(ctx.dtype)], dim=2)
+        q = q.view(r_n, t_max, h, d).transpose(1, 2).to(ctx.dtype)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self._inner.scale, enable_gqa=h != kvh
+        )  # [R, H, T_max, D]
+        output[rows] = out.transpose(1, 2).reshape(r_n * t_max, h, d)[slots].to(output.dtype)
+        return output
+
+    def _tree_per_request(self, m: "TreeAttnMetadata", query, key, value, kv_cache, output):
         inner = self._inner
         softcap, window = self._softcap, self._window
         indices = m.gather_indices(self._group, self._layout, kv_cache.shape[1])
