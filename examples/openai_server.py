@@ -17,7 +17,7 @@ worker cannot size its cache from GPU memory and torch.compile takes minutes)::
     python -m vllm.entrypoints.openai.api_server --model "$MODEL" \\
         --served-model-name smollm2 --host 127.0.0.1 --port 8000 \\
         --max-model-len 2048 --kv-cache-memory-bytes 536870912 --enforce-eager \\
-        --speculative-config '{"method": "lookahead", "ngram_size": 4, "window_size": 5, "guess_set_size": 5}'
+        --speculative-config '{"method": "lookahead", "ngram_size": 4, "window_size": 3, "guess_set_size": 3}'
 
 and point this script at it from another::
 
@@ -46,7 +46,7 @@ from openai import OpenAI
 
 from vllm_lookahead.assets import prepare_smollm2
 
-LOOKAHEAD = {"method": "lookahead", "ngram_size": 4, "window_size": 5, "guess_set_size": 5}
+LOOKAHEAD = {"method": "lookahead", "ngram_size": 4, "window_size": 3, "guess_set_size": 3}
 MODEL_NAME = "smollm2"
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = 300  # vLLM starts three processes; slow on a small CPU

@@ -137,8 +137,10 @@ def test_small_max_tokens(la, va, prompt_ids, max_tokens):
     assert_same_tokens(got, want)
     for g, p in zip(got, params):
         assert len(g.token_ids) == p.max_tokens and g.finish_reason == "length", g
-    assert rec.lengths, "no drafts"
     if max(max_tokens) > 3:
+        # Fused mode drafts the checked chain minus its last token, so a
+        # request's first steps may carry no draft; 17 tokens always do.
+        assert rec.lengths, "no drafts"
         assert max(rec.lengths) >= 2, rec.lengths  # multi-token drafts too
     assert_freed(la)
 

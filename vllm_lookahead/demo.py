@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         f"SmolLM2-135M-Instruct, {args.dtype}, CPU, batch size 1, greedy, "
         f"{len(prompts)} prompts x {args.max_tokens} new tokens max",
         f"lookahead N={cfg['ngram_size']} W={cfg['window_size']} "
-        f"G={cfg['guess_set_size']} prompt_pool={cfg['prompt_pool']}",
+        f"G={cfg['guess_set_size']} prompt_pool={cfg['prompt_pool']} mode={stats['mode']}",
         "",
         f"{'':24s}{'vanilla':>12s}{'lookahead':>12s}",
         f"{'tokens/s':24s}{van_tps:12.1f}{la_tps:12.1f}",
@@ -110,9 +110,9 @@ def main(argv=None) -> int:
         f"{'draft acceptance':24s}{'-':>12s}{stats['acceptance_rate']:12.1%}",
         "",
         f"accepted tokens: {stats['accepted_tokens']} (window n-grams {src['window']}, "
-        f"prompt/context n-grams {src['prompt']}, lookahead-pass prediction {src['model']})",
-        f"target forwards per step: 2 (vLLM's verification + the lookahead pass); "
-        f"tokens per forward {stats['generated_tokens'] / (2 * stats['decode_steps']):.2f}",
+        f"prompt/context n-grams {src['prompt']}, model's own prediction {src['model']})",
+        f"target forwards per step: {1 + stats['pass_requests'] / max(stats['decode_steps'], 1):.2f} "
+        f"(fused: 1, plus catch-up passes); tokens per forward {stats['tokens_per_forward']:.2f}",
         "identical to vanilla: "
         + ", ".join(f"{n} {s}/{t}" for n, (s, t) in per_set.items())
         + ("" if args.dtype == "float32" else
