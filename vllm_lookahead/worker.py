@@ -315,7 +315,7 @@ class LookaheadWorker:
             starts=starts,
             ends=ends,
             context_lens=[r.context_len for r in requests],
-            masks=[torch.from_numpy(np.ascontiguousarray(r.mask)) for r in requests],
+            masks=[torch.from_numpy(np.array(r.mask, dtype=bool)) for r in requests],
             positions=positions,
             gather={},
             block_ids=[[b[g] for b in per_req_blocks] for g in range(self.num_groups)],
