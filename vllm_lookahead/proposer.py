@@ -3,24 +3,24 @@
 Per request it keeps a :class:`~vllm_lookahead.state.RequestState` (Jacobi
 window, n-gram pool, per-request settings). Two modes (``LookaheadConfig.mode``):
 
-**fused** (default, one target forward per step). At the end of step t the
-proposer plans, per request, the tree of step t+1: its root is the last token
-vLLM will feed for the request (the newest draft token, or the newest sampled
-token when there is no draft), at position ``q``; its nodes are the Jacobi
-window and the pool's candidates for the root. In step t+1 the worker appends
-those nodes to vLLM's own query tokens (:meth:`fused_forward`), so they read
-the request's KV cache up to ``q`` -- the draft included -- plus their tree
-ancestors. After vLLM's rejection sampler:
+**fused** (default, one target forward per step). At the end of step t each
+request has a *checked chain*: tokens the model itself predicted to follow
+its text, the last being its argmax after the others. The draft is the chain
+minus its last token ``y``; the proposer plans the tree of step t+1 rooted at
+``y``, right after the draft (see :class:`PlannedTree`): the Jacobi window and
+the pool's candidates for ``y``. In step t+1 the worker appends the tree to
+vLLM's own query tokens (:meth:`model_forward`), so it reads the request's KV
+cache -- the draft included -- plus its tree ancestors. After vLLM's
+rejection sampler, if it sampled exactly ``draft + [y]``:
 
 1. the newest window level comes from the argmax at the window's last level;
    its W column n-grams go into the pool and the window shifts;
-2. if the whole draft was accepted, the tree was conditioned on exactly the
-   committed text: a candidate whose first token equals the token vLLM just
-   sampled and whose next tokens agree with the argmax chain is a draft that
-   is already checked; the best one (longest confirmed, then most often
-   seen, then newest) plus the argmax after it is the next draft;
-3. otherwise (draft partly rejected, first step, tree not run) the next draft
-   is the pool's most often seen continuation of the newest token, unchecked.
+2. the next checked chain is the candidate the argmax chain confirms
+   furthest (then most often seen, then newest) plus the argmax after it.
+
+Otherwise (first step, or a miss) a catch-up pass -- the separate pass below,
+for those requests only -- gives them a checked chain again. Without any tree
+(the token budget) the draft is the pool's unchecked guess.
 
 **separate** (two forwards per step). After sampling, one extra tree-masked
 forward rooted at the newest token (not cached yet) checks every candidate;

@@ -40,7 +40,8 @@ class LookaheadStats:
         trees_dropped: planned trees not run because vLLM scheduled the
             request differently than planned (draft cut, preemption).
         unchecked_drafts: drafts taken from the pool without a check by the
-            model (fused mode after a rejected draft; load shedding).
+            model (no tree fitted ``max_tree_tokens``, or the tree would
+            pass ``max_model_len``).
         steps_window_off / steps_off: steps where the tree-token budget left
             the windows out / where the batch was too big for lookahead.
         fused_trees: request trees that rode in vLLM's forward (fused).
