@@ -43,7 +43,8 @@ def test_defaults_valid():
     assert cfg.seed == 0
     assert cfg.max_draft_len == cfg.ngram_size
     assert cfg.mode == "fused"
-    assert set(cfg.field_names()) == set(RANGES) | {"prompt_pool", "mode"}
+    assert cfg.adaptive is True
+    assert set(cfg.field_names()) == set(RANGES) | {"prompt_pool", "mode", "adaptive"}
     assert LookaheadConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -92,12 +93,13 @@ def test_wrong_type_rejected(field, value):
     assert _range_text(field) in msg
 
 
+@pytest.mark.parametrize("field", ["prompt_pool", "adaptive"])
 @pytest.mark.parametrize("value", [1, 0, "true", "yes", None, 1.0])
-def test_prompt_pool_must_be_bool(value):
+def test_bool_fields_must_be_bool(field, value):
     with pytest.raises(LookaheadConfigError) as ei:
-        LookaheadConfig(prompt_pool=value)
+        LookaheadConfig(**{field: value})
     msg = str(ei.value)
-    assert "prompt_pool" in msg
+    assert field in msg
     assert "true/false" in msg or "bool" in msg
 
 

@@ -33,6 +33,7 @@ def test_engine_args_accept_lookahead(tiny_model_path):
     assert cfg.additional_config["lookahead"] == {
         "ngram_size": 3, "window_size": 2, "guess_set_size": 1, "prompt_pool": True, "seed": 0,
         "mode": "fused", "max_tree_tokens": 0, "disable_batch_size": None,
+        "adaptive": True,
     }
     assert args.speculative_config == spec  # the user's dict is left as given
 
@@ -81,6 +82,8 @@ def test_llm_runs_lookahead_on_tiny_model(tiny_model_path):
         st = proposer(llm).get_stats()
         assert st["lookahead_passes"] > 0 and st["config"]["ngram_size"] == 3
         assert st["fused_steps"] > 0 and st["mode"] == "fused"
+        # The pay-off gate (on by default) tried all three ways within 32 steps.
+        assert all(st["arm_steps"][a] > 0 for a in ("tree", "pool", "off")), st["arm_steps"]
         # CPU default: lookahead off once 2 requests decode together.
         from vllm_lookahead.config import CPU_DISABLE_BATCH_SIZE
 

@@ -157,3 +157,29 @@ def test_vllm_batch_size_draft_schedule_is_honoured(smollm2_path, prompts, vanil
     per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"].values
     assert per_pos[0] > 0
     assert sum(per_pos[1:]) == 0, per_pos
+
+
+@pytest.mark.parametrize("mode", ["fused", "separate"])
+def test_payoff_gate_runs_every_arm_and_stays_exact(smollm2_path, prompts, vanilla, mode):
+    """The gate (``adaptive``, the default) switches between the tree, the
+    pool's guess and vanilla steps by measured speed: whatever it picks, the
+    outputs stay identical, batched and one request at a time."""
+    from vllm import SamplingParams
+
+    spec = {**LOOKAHEAD, "mode": mode, "adaptive": True}
+    with engine(smollm2_path, spec, max_num_seqs=16) as llm:
+        one = generate_ids(llm, prompts, _params(), batch=False)
+        # The 6 prompts together, with lengths that shrink the batch.
+        lengths = [16, 32, 48, MAX_TOKENS, MAX_TOKENS, MAX_TOKENS]
+        outs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n)
+                                      for n in lengths], use_tqdm=False)
+        flush(llm)
+        st = proposer(llm).get_stats()
+    _same(one, vanilla)
+    _same([list(o.outputs[0].token_ids) for o in outs], [v[:n] for v, n in zip(vanilla, lengths)])
+    # Probing is counted in steps, not time: every arm ran at batch size 1.
+    assert all(st["arm_steps"][arm] >= 5 for arm in ("tree", "pool", "off")), st["arm_steps"]
+    gate = st["gate"]
+    assert "1" in gate and set(gate["1"]["tokens_per_s"]) == {"tree", "pool", "off"}
+    assert {"2", "4"} & set(gate)  # the shrinking batch got its own buckets
+    assert st["accepted_tokens"] > 0

@@ -75,6 +75,12 @@ class LookaheadConfig:
             :data:`CPU_DISABLE_BATCH_SIZE` on CPU (measured: on a 2-core CPU a
             second decoding request already makes the tree tokens cost more
             than they gain), 0 elsewhere.
+        adaptive: measure, per batch size (rounded down to a power of two),
+            the generated tokens per second of three ways to run a step --
+            the full tree, the pool's unchecked guess alone, no lookahead --
+            and use the fastest, trying the others again now and then (see
+            :mod:`vllm_lookahead.gate`). Outputs never depend on it. False:
+            every step runs the tree (deterministic statistics, for tests).
 
     The defaults (N, W, G) = (4, 3, 3) are the fastest measured on a 2-core
     CPU (bfloat16, SmolLM2-135M, HumanEval and MT-Bench): there every query
@@ -89,6 +95,7 @@ class LookaheadConfig:
     mode: str = "fused"
     max_tree_tokens: int = 0
     disable_batch_size: int | None = None
+    adaptive: bool = True
 
     _RANGES = {
         "ngram_size": (2, 16),

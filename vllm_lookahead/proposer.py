@@ -31,7 +31,9 @@ only decides how many tokens one step can gain, never which tokens come out.
 
 Load: ``max_tree_tokens`` caps the tree tokens of a step (windows are left out
 first, then candidates); with ``disable_batch_size`` requests decoding or
-more, a step runs with no tree and no draft.
+more, a step runs with no tree and no draft. Below that, with ``adaptive``,
+a :class:`~vllm_lookahead.gate.PayoffGate` picks each step's arm from
+measured tokens/s: the tree, the pool's guess alone, or nothing.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from vllm_lookahead.config import (
     RequestSettings,
     request_settings,
 )
+from vllm_lookahead.gate import ARMS, PayoffGate
 from vllm_lookahead.state import (
     SOURCE_MODEL,
     SOURCE_WINDOW,
@@ -129,6 +132,15 @@ class LookaheadProposer:
         self._spec_k: int | None = None
         #: fused: req id -> (PlannedTree, argmax of its appended nodes).
         self._fused_out: dict[str, tuple[PlannedTree, np.ndarray]] = {}
+        #: Pay-off gate (``adaptive``), and the step it chose an arm for last:
+        #: (decoding requests, arm, start time).
+        self.gate = None
+        if self.cfg.adaptive:
+            tp = vllm_config.parallel_config.tensor_parallel_size
+            self.gate = PayoffGate(agree=_rank0_choice if tp > 1 else None)
+        self._last_arm: tuple[int, str, float] | None = None
+        #: Whether the step being run has no new or resumed request.
+        self._clean = False
         logger.info("Lookahead decoding: %s, draft length %d, off from %s decoding requests",
                     self.cfg, self.num_spec_tokens, self.disable_batch_size or "no number of")
 
@@ -153,6 +165,7 @@ class LookaheadProposer:
         for req_id in resumed or ():
             self.states.pop(req_id, None)
         self._scheduled = scheduler_output.num_scheduled_tokens
+        self._clean = not scheduler_output.scheduled_new_reqs and not resumed
         # vLLM's per-batch-size draft length (num_speculative_tokens_per_batch_size).
         self._spec_k = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
 
@@ -221,9 +234,14 @@ class LookaheadProposer:
 
         # Requests that decode this step, with their state up to date.
         live = []  # (batch index, state, num tokens, room)
+        num_decoding = step_tokens = 0
+        clean = self._clean
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:
-                continue  # still prefilling
+                clean = False  # still prefilling
+                continue
+            num_decoding += 1
+            step_tokens += len(sampled)
             req_id = batch.req_ids[i]
             n_tok = int(num_tokens[i])
             state = self.states.get(req_id)
@@ -233,8 +251,6 @@ class LookaheadProposer:
             state.plan = None
             if not state.settings.enabled:
                 continue
-            if cfg.prompt_pool:
-                state.add_context_ngrams(token_ids[i], state.settings.ngram_size, n_tok)
             if self.fused:
                 out = fused_out.get(req_id)
                 if out is not None:
@@ -242,13 +258,24 @@ class LookaheadProposer:
             room = min(spec_k, self.max_model_len - n_tok - 1)
             live.append((i, state, n_tok, room))
 
-        if self.disable_batch_size and len(live) >= self.disable_batch_size:
-            self.stats.steps_off += 1
+        arm = self._choose_arm(t0, num_decoding, step_tokens, clean, bool(live))
+        self.stats.arm_steps[arm] += bool(live)
+        if arm == "off":
+            # No tree, no draft. The prompt pool catches up when lookahead
+            # runs again (it is filled incrementally).
             for _, state, _, _ in live:
                 state.draft_sources = []
             live = []
             drafts = [[] for _ in sampled_token_ids]
-        if self.fused:
+        if cfg.prompt_pool:
+            for i, state, n_tok, _ in live:
+                state.add_context_ngrams(token_ids[i], state.settings.ngram_size, n_tok)
+        if arm == "pool":
+            # The checked chain if the last tree gave one, else the pool's guess.
+            for i, state, n_tok, room in live:
+                if not drafts[i] and room > 0:
+                    drafts[i] = self._unchecked(state, int(token_ids[i, n_tok - 1]))
+        elif self.fused:
             # A catch-up pass for requests without a checked chain (first
             # step, or last tree missed): their next draft is checked again.
             rescue = [r for r in live if not drafts[r[0]] and r[3] > 0]
@@ -267,6 +294,27 @@ class LookaheadProposer:
         self.stats.live_requests = len(self.states)
         self.stats.proposer_time_s += time.perf_counter() - t0
         return drafts
+
+    def _choose_arm(self, t0: float, num_decoding: int, step_tokens: int, clean: bool,
+                    any_live: bool) -> str:
+        """How this step runs: "tree", "pool" or "off" (see :mod:`.gate`).
+
+        Books the step that just ran (started at the last call, ``t0`` now)
+        with the gate first, if it was chosen by the gate and had no
+        prefill."""
+        last, self._last_arm = self._last_arm, None
+        if self.gate is not None and last is not None and clean and step_tokens:
+            self.gate.record(last[0], last[1], step_tokens, t0 - last[2])
+        if not any_live:
+            return "off"
+        if self.disable_batch_size and num_decoding >= self.disable_batch_size:
+            self.stats.steps_off += 1
+            return "off"
+        if self.gate is None:
+            return "tree"
+        arm = self.gate.decide(num_decoding)
+        self._last_arm = (num_decoding, arm, t0)
+        return arm
 
     # -- fused mode ----------------------------------------------------------
     def _harvest(self, state: RequestState, plan: PlannedTree, pred: np.ndarray,
@@ -482,7 +530,16 @@ class LookaheadProposer:
         d["config"] = self.cfg.to_dict()
         d["mode"] = "fused" if self.fused else "separate"
         d["disable_batch_size"] = self.disable_batch_size
+        d["gate"] = self.gate.snapshot() if self.gate is not None else None
         return d
+
+
+def _rank0_choice(arm: str) -> str:
+    """Tensor rank 0's arm, on every rank (the gate's ``agree`` hook)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    return group.broadcast_object(arm, src=0)
 
 
 def _cand_array(cands, ngram_size: int) -> np.ndarray:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from vllm_lookahead.gate import ARMS
 from vllm_lookahead.state import SOURCES
 
 
@@ -49,6 +50,9 @@ class LookaheadStats:
             or a fused-mode catch-up pass).
         catch_up_requests: fused mode: requests that needed a catch-up pass
             (their first step, or their last tree missed).
+        arm_steps: engine steps with lookahead requests decoding, by how
+            they ran: "tree", "pool" (the pool's guess, no tree) or "off"
+            (chosen by the pay-off gate, or ``disable_batch_size``).
     """
 
     decode_steps: int = 0
@@ -72,6 +76,7 @@ class LookaheadStats:
     fused_trees: int = 0
     pass_requests: int = 0
     catch_up_requests: int = 0
+    arm_steps: dict[str, int] = field(default_factory=lambda: {a: 0 for a in ARMS})
 
     @property
     def step_compression(self) -> float:
