@@ -57,7 +57,10 @@ _LA_FLAGS = {
     "nopool": ("prompt_pool", False),
     "fused": ("mode", "fused"),
     "separate": ("mode", "separate"),
+    "fixed": ("adaptive", False),
+    "adaptive": ("adaptive", True),
 }
+ARMS = ("tree", "pool", "off")
 
 # vLLM metric names read around every timed section.
 M_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
@@ -125,7 +128,8 @@ def parse_method(text: str) -> Method:
                                           max|prompt_lookup_max, min|prompt_lookup_min,
                                           or any other SpeculativeConfig key
         la[:N[,W[,G]]][,flag...][,key=value...]     (also ``lookahead:...``)
-            flags: nopool | pool | separate | fused
+            flags: nopool | pool | separate | fused | fixed (no pay-off
+                   gate: the tree every step) | adaptive
             key=value: any lookahead key, passed through unchecked
                        (e.g. mode=separate, max_tree_tokens=64)
 
@@ -286,6 +290,12 @@ def section_figures(raw: dict[str, Any]) -> dict[str, Any]:
         if total and all(v is not None for v in by_src.values()):
             share = {s: by_src[s] / total for s in SOURCES}
         fig["accepted_by_source"] = by_src
+        arms_b, arms_a = la_b.get("arm_steps"), la_a.get("arm_steps")
+        if isinstance(arms_a, dict) and isinstance(arms_b, dict):
+            by_arm = {a: _delta(arms_a, arms_b, a) for a in ARMS}
+            n_arm = sum(v for v in by_arm.values() if v is not None)
+            if n_arm and all(v is not None for v in by_arm.values()):
+                fig["arm_share"] = {a: by_arm[a] / n_arm for a in ARMS}
         p_time = _delta(la_a, la_b, "proposer_time_s")
         if p_time is not None and engine_steps:
             proposer_ms = 1000.0 * p_time / engine_steps
@@ -380,6 +390,7 @@ COLUMNS = [
     ("acc.len", 7, "mean_accepted_len"),
     ("acc%", 5, "acceptance_rate"),
     ("win/prm/mdl %", 13, "share"),
+    ("tree/pool/off %", 15, "arm_share"),
     ("prop ms", 7, "proposer_ms_per_step"),
     ("fwd/st", 6, "forwards_per_step"),
     ("RSS MB", 6, "peak_rss_mb"),
@@ -394,6 +405,10 @@ def _fmt(key: str, value: Any) -> str:
         if not isinstance(value, dict) or any(value.get(s) is None for s in SOURCES):
             return "-"
         return "/".join(f"{100 * value[s]:.0f}" for s in SOURCES)
+    if key == "arm_share":
+        if not isinstance(value, dict):
+            return "-"
+        return "/".join(f"{100 * value.get(a, 0):.0f}" for a in ARMS)
     if key == "match":
         return f"{value[0]}/{value[1]}"
     if key == "acceptance_rate":

@@ -288,3 +288,10 @@ def test_machine_info() -> None:
     assert info["cpus"] >= 1
     for key in ("date", "cpu", "torch", "vllm", "python"):
         assert key in info
+
+
+def test_fixed_flag_and_arm_share_column():
+    assert bench.parse_method("la:4,3,3,fixed").spec["adaptive"] is False
+    assert bench.parse_method("la:adaptive").spec == {"method": "lookahead", "adaptive": True}
+    assert bench._fmt("arm_share", {"tree": 0.5, "pool": 0.25, "off": 0.25}) == "50/25/25"
+    assert bench._fmt("arm_share", None) == "-"
