@@ -398,3 +398,40 @@ def test_choose_candidate_random_against_reference():
         c = rng.integers(1, 4, size=k).tolist()
         best = max(range(k), key=lambda i: (m[i], c[i], -i))
         assert choose_candidate(m, c) == best
+
+
+def _suffix_lookup_reference(toks, n, k, min_len=2, max_len=4):
+    """Brute force: longest suffix first, most recent earlier start."""
+    t = list(toks[:n])
+    for m in range(min(max_len, n - 1), min_len - 1, -1):
+        for s in range(n - m - 1, -1, -1):
+            if t[s : s + m] == t[n - m :]:
+                return t[s + m : s + m + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_suffix_lookup_matches_brute_force(seed):
+    from vllm_lookahead.state import suffix_lookup
+
+    rng = np.random.default_rng(seed)
+    vocab = int(rng.integers(2, 6))
+    toks = rng.integers(0, vocab, size=int(rng.integers(1, 60))).astype(np.int32)
+    padded = np.concatenate([toks, np.full(7, 99, np.int32)])  # junk past n
+    for n in range(1, len(toks) + 1):
+        for k in (1, 3, 4):
+            assert suffix_lookup(padded, n, k) == _suffix_lookup_reference(toks, n, k), (n, k)
+
+
+def test_suffix_lookup_prefers_the_longest_suffix():
+    from vllm_lookahead.state import suffix_lookup
+
+    #        0  1  2  3  4  5  6  7  8  9
+    toks = [5, 1, 2, 7, 3, 1, 2, 8, 9, 1, 2]
+    # suffix (1, 2) last seen at 5..6 -> 8, 9
+    assert suffix_lookup(np.array(toks), len(toks), 2) == [8, 9]
+    toks = [4, 1, 2, 7, 7, 0, 1, 2, 8, 4, 1, 2]
+    # suffix (4, 1, 2) seen at 0..2 beats the later (1, 2) at 6..7
+    assert suffix_lookup(np.array(toks), len(toks), 3) == [7, 7, 0]
+    assert suffix_lookup(np.array([1, 2, 3]), 3, 4) == []  # nothing repeats
+    assert suffix_lookup(np.array([1, 2, 1, 2]), 4, 0) == []

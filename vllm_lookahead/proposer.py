@@ -56,12 +56,14 @@ from vllm_lookahead.config import (
 from vllm_lookahead.gate import ARMS, PayoffGate
 from vllm_lookahead.state import (
     SOURCE_MODEL,
+    SOURCE_PROMPT,
     SOURCE_WINDOW,
     JacobiWindow,
     NGramPool,
     RequestState,
     choose_candidate,
     request_seed,
+    suffix_lookup,
 )
 from vllm_lookahead.stats import LookaheadStats
 
@@ -274,7 +276,7 @@ class LookaheadProposer:
             # The checked chain if the last tree gave one, else the pool's guess.
             for i, state, n_tok, room in live:
                 if not drafts[i] and room > 0:
-                    drafts[i] = self._unchecked(state, int(token_ids[i, n_tok - 1]))
+                    drafts[i] = self._unchecked(state, token_ids[i], n_tok, room)
         elif self.fused:
             # A catch-up pass for requests without a checked chain (first
             # step, or last tree missed): their next draft is checked again.
@@ -338,8 +340,7 @@ class LookaheadProposer:
             if not chain or room <= 0:
                 # No checked chain (no tree fitted the budget): the pool's
                 # guess, unchecked, and no tree.
-                x = int(token_ids[i, n_tok - 1])
-                chains[i] = self._unchecked(state, x) if room > 0 else []
+                chains[i] = self._unchecked(state, token_ids[i], n_tok, room) if room > 0 else []
                 continue
             # All but the chain's last token is the draft; the last (the
             # model's prediction after the draft) roots the tree.
@@ -347,7 +348,8 @@ class LookaheadProposer:
             chains[i] = chain[:k]
             state.draft_sources = state.draft_sources[:k]
             s = state.settings
-            cands = state.pool.get(chain[k])[: s.guess_set_size]
+            text = np.concatenate([token_ids[i, :n_tok], np.asarray(chain[: k + 1], token_ids.dtype)])
+            cands = self._candidates(state, text)
             wanted.append((s.ngram_size, s.window_size, len(cands), i, state, n_tok + k,
                            chain[: k + 1], cands))
         use_window, cap = fit_budget(
@@ -386,7 +388,7 @@ class LookaheadProposer:
         for i, state, n_tok, room in live:
             x = int(token_ids[i, n_tok - 1])
             s = state.settings
-            cands = state.pool.get(x)[: s.guess_set_size]
+            cands = self._candidates(state, token_ids[i, :n_tok])
             wanted.append((s.ngram_size, s.window_size, len(cands), x, cands))
         use_window, cap = fit_budget(
             [(n, w, g) for n, w, g, _, _ in wanted], self.cfg.max_tree_tokens, with_root=True
@@ -398,14 +400,14 @@ class LookaheadProposer:
             if room <= 0:
                 continue
             if cap < 0:
-                drafts[i] = self._unchecked(state, x) if unchecked else []
+                drafts[i] = self._unchecked(state, token_ids[i], n_tok, room) if unchecked else []
                 continue
             w = w if use_window else 0
             cands = cands[:cap]
             layout = build_tree(n, w, len(cands))
             p = n_tok - 1
             if p + int(layout.depth.max()) >= self.max_model_len:
-                drafts[i] = self._unchecked(state, x) if unchecked else []
+                drafts[i] = self._unchecked(state, token_ids[i], n_tok, room) if unchecked else []
                 continue
             toks = fill_tree_tokens(layout, x, state.window.levels, _cand_array(cands, n))
             trees.append(
@@ -430,6 +432,19 @@ class LookaheadProposer:
             drafts[i] = self._best_confirmed(state, layout, cands, pred)
 
     # -- shared internals -----------------------------------------------------
+    def _candidates(self, state: RequestState, text: np.ndarray) -> list:
+        """The candidates a tree rooted at ``text[-1]`` checks: the pool's
+        for that token (newest first, at most G), led by the continuation of
+        the text's longest earlier-seen 2-4 token suffix when the prompt pool
+        is on and it is new (then at most G in all)."""
+        g, n = state.settings.guess_set_size, state.settings.ngram_size
+        cands = state.pool.get(int(text[-1]))[:g]
+        if self.cfg.prompt_pool:
+            cont = tuple(suffix_lookup(text, len(text), n - 1))
+            if len(cont) == n - 1 and all(c != cont for c, _, _ in cands):
+                cands = [(cont, 1, SOURCE_PROMPT)] + cands[: g - 1]
+        return cands
+
     def _jacobi_step(self, state: RequestState, layout: TreeLayout, root: int,
                      pred: np.ndarray) -> None:
         """Harvest the window's column n-grams into the pool, then shift."""
@@ -469,16 +484,27 @@ class LookaheadProposer:
         state.draft_sources = sources
         return draft
 
-    def _unchecked(self, state: RequestState, x: int) -> list[int]:
-        """The pool's most often seen (then newest) continuation of ``x``."""
+    def _unchecked(self, state: RequestState, tokens: np.ndarray, n_tok: int,
+                   room: int) -> list[int]:
+        """A draft without a check by the model: the continuation of the
+        text's longest earlier-seen suffix (2-4 tokens, prompt pool on), else
+        the pool's most often seen (then newest) continuation of the newest
+        token."""
+        self.stats.unchecked_drafts += 1
+        if self.cfg.prompt_pool:
+            draft = suffix_lookup(tokens, n_tok, min(room, state.settings.ngram_size))
+            if draft:
+                state.draft_sources = [SOURCE_PROMPT] * len(draft)
+                return draft
+        x = int(tokens[n_tok - 1])
         cands = state.pool.get(x)[: state.settings.guess_set_size]
         best = choose_candidate([0] * len(cands), [c for _, c, _ in cands])
         if best < 0:
             state.draft_sources = []
+            self.stats.unchecked_drafts -= 1
             return []
         cont, _, source = cands[best]
         state.draft_sources = [source] * len(cont)
-        self.stats.unchecked_drafts += 1
         return list(cont)
 
     def _new_state(self, runner, req_id: str, tokens: np.ndarray, n_tok: int) -> RequestState:

@@ -170,6 +170,40 @@ class RequestState:
         self.pooled_upto = max(self.pooled_upto, upto)
 
 
+def suffix_lookup(tokens: np.ndarray, n: int, k: int, min_len: int = 2,
+                  max_len: int = 4) -> list[int]:
+    """Prompt lookup with a multi-token key: the ``k`` tokens that followed
+    the most recent earlier occurrence of the longest suffix of
+    ``tokens[:n]`` (``max_len`` down to ``min_len`` tokens long), or ``[]``.
+
+    The pool keys n-grams by one token (LADE); matching 2-4 tokens of the
+    text, as vLLM's ``ngram`` method does, picks far more precise
+    continuations where the output copies from the prompt (code). Numpy,
+    O(n) per call.
+
+    Args:
+        tokens: int array, at least ``n`` long (the request's tokens).
+        n: number of valid tokens.
+        k: longest continuation returned.
+    """
+    if k <= 0:
+        return []
+    t = np.asarray(tokens[:n])
+    for m in range(min(max_len, n - 1), min_len - 1, -1):
+        suffix = t[n - m:]
+        # Starts s < n - m whose m tokens equal the suffix (the suffix
+        # itself, s = n - m, is excluded; overlaps are fine).
+        idx = np.flatnonzero(t[: n - m] == suffix[0])
+        for j in range(1, m):
+            if not idx.size:
+                break
+            idx = idx[t[idx + j] == suffix[j]]
+        if idx.size:
+            start = int(idx[-1]) + m
+            return t[start : start + k].tolist()
+    return []
+
+
 def choose_candidate(
     matches: list[int], counts: list[int]
 ) -> int:
