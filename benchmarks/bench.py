@@ -25,6 +25,7 @@ import os
 import platform
 import resource
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -671,6 +672,67 @@ def _peak_rss_mb() -> float:
     return rss / (2**20 if sys.platform == "darwin" else 1024)
 
 
+class Turns:
+    """Round-robin turns between the engine processes of one interleaved
+    group (``--interleave``): each process times one batch of prompts per
+    turn, so a machine whose speed drifts over minutes (shared VMs do) slows
+    every method alike and the ratios stay fair.
+
+    State lives in a directory the parent creates: ``turn`` holds the index
+    of the process whose turn it is, ``ready.K`` / ``done.K`` mark processes
+    whose engine is warm / that have finished (or died: the parent marks
+    those). Nobody starts timing until every live process is ready.
+    """
+
+    POLL_S = 0.02
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.dir = Path(spec["dir"])
+        self.index = int(spec["index"])
+        self.count = int(spec["count"])
+
+    def _done(self, k: int) -> bool:
+        return (self.dir / f"done.{k}").exists()
+
+    def _current(self) -> int:
+        try:
+            return int((self.dir / "turn").read_text(encoding="ascii"))
+        except (OSError, ValueError):
+            return 0
+
+    def _pass_from(self, k: int) -> None:
+        for step in range(1, self.count + 1):
+            nxt = (k + step) % self.count
+            if not self._done(nxt):
+                break
+        tmp = self.dir / f"turn.{self.index}.tmp"
+        tmp.write_text(str(nxt), encoding="ascii")
+        os.replace(tmp, self.dir / "turn")
+
+    def ready(self) -> None:
+        (self.dir / f"ready.{self.index}").touch()
+
+    def acquire(self) -> None:
+        while not all((self.dir / f"ready.{k}").exists() or self._done(k)
+                      for k in range(self.count)):
+            time.sleep(self.POLL_S)
+        while True:
+            k = self._current()
+            if k == self.index:
+                return
+            if self._done(k):  # its holder is gone: pass the turn on
+                self._pass_from(k)
+            time.sleep(self.POLL_S)
+
+    def release(self) -> None:
+        self._pass_from(self.index)
+
+    def finish(self) -> None:
+        (self.dir / f"done.{self.index}").touch()
+        if self._current() == self.index:
+            self._pass_from(self.index)
+
+
 def child_main(config_path: str, result_path: str) -> int:
     """Run one engine over every (dataset, batch size) and write the result."""
     cfg = json.loads(Path(config_path).read_text(encoding="utf-8"))
@@ -727,6 +789,9 @@ def child_main(config_path: str, result_path: str) -> int:
         after_warm = la_stats()
         if after_warm is not None:
             result["config_seen"] = after_warm.get("config")
+        turns = Turns(cfg["turn"]) if cfg.get("turn") else None
+        if turns is not None:
+            turns.ready()
 
         for ds in cfg["datasets"]:
             token_lists = prompts[ds]
@@ -737,15 +802,30 @@ def child_main(config_path: str, result_path: str) -> int:
                     metrics_before, la_before = _metric_values(llm), la_stats()
                     outputs: list[list[int]] = []
                     elapsed = 0.0
-                    cpu_before, machine_before = time.process_time(), machine_busy_s()
                     bar = tqdm(total=len(token_lists), unit="prompt", leave=False,
                                desc=f"{cfg['label']} {ds} bs={bs}", file=sys.stderr,
-                               dynamic_ncols=True)
+                               dynamic_ncols=True, disable=turns is not None)
+                    cpu_s = 0.0
+                    machine_s: float | None = 0.0
                     for i in range(0, len(token_lists), bs):
                         batch = [TokensPrompt(prompt_token_ids=p) for p in token_lists[i:i + bs]]
-                        t0 = time.perf_counter()
-                        outs = llm.generate(batch, params, use_tqdm=False)
-                        elapsed += time.perf_counter() - t0
+                        if turns is not None:
+                            turns.acquire()
+                        try:
+                            c0, m0 = time.process_time(), machine_busy_s()
+                            t0 = time.perf_counter()
+                            outs = llm.generate(batch, params, use_tqdm=False)
+                            elapsed += time.perf_counter() - t0
+                            cpu_s += time.process_time() - c0
+                            m1 = machine_busy_s()
+                            machine_s = (None if machine_s is None or m0 is None or m1 is None
+                                         else machine_s + m1 - m0)
+                        finally:
+                            if turns is not None:
+                                turns.release()
+                        if turns is not None:
+                            with open(cfg["turn"]["dir"] + f"/progress.{turns.index}", "a") as f:
+                                f.write(f"{len(batch)}\n")
                         outputs.extend(list(o.outputs[0].token_ids) for o in outs)
                         bar.update(len(batch))
                         if elapsed > 0:
@@ -755,9 +835,8 @@ def child_main(config_path: str, result_path: str) -> int:
                     section.update(
                         output_tokens=sum(map(len, outputs)),
                         elapsed_s=elapsed,
-                        cpu_s=time.process_time() - cpu_before,
-                        machine_cpu_s=(None if machine_before is None
-                                       else machine_busy_s() - machine_before),
+                        cpu_s=cpu_s,
+                        machine_cpu_s=machine_s,
                         outputs=outputs,
                         metrics_before=metrics_before,
                         metrics_after=_metric_values(llm),
@@ -779,6 +858,8 @@ def child_main(config_path: str, result_path: str) -> int:
                 _write_json(out, result)  # partial results survive a later crash
     except BaseException:
         result["error"] = traceback.format_exc()
+    if cfg.get("turn"):
+        Turns(cfg["turn"]).finish()
     result["peak_rss_mb"] = _peak_rss_mb()
     _write_json(out, result)
     # Skip interpreter teardown: vLLM's atexit/GC of an in-process engine can
@@ -802,76 +883,157 @@ class RunResult:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def _run_child(cfg: dict[str, Any], timeout: float | None, verbose: bool) -> RunResult:
-    """Start ``bench.py --child`` for one engine; stream its stderr (progress
-    bars) through, keep the tail for error reports."""
-    with tempfile.TemporaryDirectory(prefix="vllm-la-bench-") as tmp:
-        cfg_path, res_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
-        cfg_path.write_text(json.dumps(cfg), encoding="utf-8")
-        env = dict(os.environ)
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if not verbose:
-            env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-            env.setdefault("PYTHONWARNINGS", "ignore")
-            env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(cfg_path),
-               str(res_path)]
-        started = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, env=env, start_new_session=True)
-        tail = bytearray()
+@dataclass
+class _Child:
+    """A running ``bench.py --child`` process."""
 
-        def pump() -> None:
-            assert proc.stderr is not None
-            while chunk := os.read(proc.stderr.fileno(), 4096):
+    proc: subprocess.Popen
+    tmp: Path
+    reader: threading.Thread
+    tail: bytearray
+    started: float
+
+
+def _start_child(cfg: dict[str, Any], verbose: bool) -> _Child:
+    """Start ``bench.py --child`` for one engine; its stderr (progress bars)
+    streams through, its tail is kept for error reports."""
+    tmp = Path(tempfile.mkdtemp(prefix="vllm-la-bench-"))
+    cfg_path = tmp / "config.json"
+    cfg_path.write_text(json.dumps(cfg), encoding="utf-8")
+    env = dict(os.environ)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not verbose:
+        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        env.setdefault("PYTHONWARNINGS", "ignore")
+        env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(cfg_path),
+           str(tmp / "result.json")]
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=env, start_new_session=True)
+    tail = bytearray()
+
+    def pump() -> None:
+        assert proc.stderr is not None
+        while chunk := os.read(proc.stderr.fileno(), 4096):
+            try:
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            tail.extend(chunk)
+            del tail[:-8000]
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    return _Child(proc, tmp, reader, tail, started)
+
+
+def _kill(child: _Child) -> None:
+    try:
+        os.killpg(child.proc.pid, signal.SIGKILL)  # the child's own session only
+    except ProcessLookupError:
+        pass
+    child.proc.wait()
+
+
+def _finish_child(child: _Child, timed_out: bool, timeout: float | None) -> RunResult:
+    """Collect an ended child's result (``timed_out``: it was killed)."""
+    proc = child.proc
+    child.reader.join(timeout=5)
+    wall = time.perf_counter() - child.started
+    res_path = child.tmp / "result.json"
+    res = RunResult()
+    data: dict[str, Any] = {}
+    if res_path.exists():
+        try:
+            data = json.loads(res_path.read_text(encoding="utf-8"))
+        except ValueError:
+            data = {}
+    shutil.rmtree(child.tmp, ignore_errors=True)
+    res.sections = data.get("sections", [])
+    res.info = {k: v for k, v in data.items() if k not in ("sections", "error")}
+    res.info["process_wall_s"] = wall
+    res.info["returncode"] = proc.returncode
+    if hasattr(os, "getloadavg"):
+        res.info["load_avg_at_end"] = list(os.getloadavg())
+    text_tail = child.tail.decode("utf-8", "replace").replace("\r", "\n")
+    # The reason goes last: the table shows an error's last line.
+    if timed_out:
+        res.error = f"{text_tail[-2000:]}\ntimed out after {timeout:.0f} s"
+    elif data.get("error"):
+        res.error = data["error"]
+    elif proc.returncode != 0:
+        res.error = f"{text_tail[-2000:]}\nengine process exited with {proc.returncode}"
+    elif not data:
+        res.error = "engine process wrote no result"
+    return res
+
+
+def _run_child(cfg: dict[str, Any], timeout: float | None, verbose: bool) -> RunResult:
+    """One engine process, alone on the machine."""
+    child = _start_child(cfg, verbose)
+    timed_out = False
+    try:
+        child.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill(child)
+    except KeyboardInterrupt:
+        _kill(child)
+        raise
+    return _finish_child(child, timed_out, timeout)
+
+
+def _run_interleaved(cfgs: list[dict[str, Any]], timeout: float | None, verbose: bool,
+                     total_prompts: int, desc: str) -> list[RunResult]:
+    """All engines of one (model, dtype) at once, taking turns batch by
+    batch (:class:`Turns`). ``timeout`` applies to the whole group."""
+    from tqdm import tqdm
+
+    turn_dir = Path(tempfile.mkdtemp(prefix="vllm-la-turns-"))
+    (turn_dir / "turn").write_text("0", encoding="ascii")
+    children = []
+    for k, cfg in enumerate(cfgs):
+        cfg = {**cfg, "turn": {"dir": str(turn_dir), "index": k, "count": len(cfgs)}}
+        children.append(_start_child(cfg, verbose))
+    bar = tqdm(total=total_prompts * len(cfgs), unit="prompt", desc=desc, file=sys.stderr,
+               leave=False, dynamic_ncols=True)
+    started = time.perf_counter()
+    timed_out = [False] * len(children)
+    try:
+        while True:
+            alive = False
+            for k, child in enumerate(children):
+                if child.proc.poll() is None:
+                    if timeout is not None and time.perf_counter() - started > timeout:
+                        timed_out[k] = True
+                        _kill(child)
+                    else:
+                        alive = True
+                if child.proc.poll() is not None:
+                    (turn_dir / f"done.{k}").touch()  # a dead child's turns pass on
+            done = 0
+            for k in range(len(children)):
                 try:
-                    sys.stderr.buffer.write(chunk)
-                    sys.stderr.flush()
+                    text = (turn_dir / f"progress.{k}").read_text(encoding="ascii")
+                    done += sum(int(x) for x in text.split())
                 except (OSError, ValueError):
                     pass
-                tail.extend(chunk)
-                del tail[:-8000]
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        timed_out = False
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)  # the child's own session only
-            proc.wait()
-        except KeyboardInterrupt:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-        reader.join(timeout=5)
-        wall = time.perf_counter() - started
-
-        res = RunResult()
-        data: dict[str, Any] = {}
-        if res_path.exists():
-            try:
-                data = json.loads(res_path.read_text(encoding="utf-8"))
-            except ValueError:
-                data = {}
-        res.sections = data.get("sections", [])
-        res.info = {k: v for k, v in data.items() if k not in ("sections", "error")}
-        res.info["process_wall_s"] = wall
-        res.info["returncode"] = proc.returncode
-        if hasattr(os, "getloadavg"):
-            res.info["load_avg_at_end"] = list(os.getloadavg())
-        text_tail = tail.decode("utf-8", "replace").replace("\r", "\n")
-        # The reason goes last: the table shows an error's last line.
-        if timed_out:
-            res.error = f"{text_tail[-2000:]}\ntimed out after {timeout:.0f} s"
-        elif data.get("error"):
-            res.error = data["error"]
-        elif proc.returncode != 0:
-            res.error = f"{text_tail[-2000:]}\nengine process exited with {proc.returncode}"
-        elif not data:
-            res.error = "engine process wrote no result"
-        return res
+            bar.n = done
+            bar.refresh()
+            if not alive:
+                break
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        for child in children:
+            _kill(child)
+        raise
+    finally:
+        bar.close()
+    results = [_finish_child(c, t, timeout) for c, t in zip(children, timed_out)]
+    shutil.rmtree(turn_dir, ignore_errors=True)
+    return results
 
 
 def _prepare_model(name: str) -> Path:
@@ -933,33 +1095,46 @@ def run_benchmark(args: argparse.Namespace, methods: list[Method], argv: Sequenc
             path, model_error = None, f"{type(exc).__name__}: {exc}"
             tqdm.write(f"error: model {model}: {model_error}", file=sys.stderr)
         for dtype in args.dtypes:
-            for method in methods:
-                k += 1
-                base = {"model": model, "dtype": dtype, "max_tokens": args.max_tokens}
-                tqdm.write(f"== [{k}/{total}] {model} {dtype} {method.label} "
-                           f"({_elapsed(time.perf_counter() - started)} so far)", file=sys.stderr)
-                if model_error is not None:
-                    run = RunResult(error=model_error)
-                else:
-                    cfg = {
-                        "model_path": str(path), "dtype": dtype, "label": method.label,
-                        "kind": method.kind, "spec": method.spec,
-                        "datasets": args.datasets, "prompts": args.prompts,
-                        "batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens,
-                        "max_model_len": args.max_model_len,
-                        "kv_cache_bytes": args.kv_cache_mib << 20,
-                    }
-                    run = _run_child(cfg, args.timeout, args.verbose)
+            base = {"model": model, "dtype": dtype, "max_tokens": args.max_tokens}
+            cfgs = [{
+                "model_path": str(path), "dtype": dtype, "label": method.label,
+                "kind": method.kind, "spec": method.spec,
+                "datasets": args.datasets, "prompts": args.prompts,
+                "batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens,
+                "max_model_len": args.max_model_len,
+                "kv_cache_bytes": args.kv_cache_mib << 20,
+            } for method in methods]
+            if model_error is not None:
+                group = [RunResult(error=model_error) for _ in methods]
+            elif args.interleave and len(methods) > 1:
+                k += len(methods)
+                tqdm.write(f"== [{k}/{total}] {model} {dtype}: {len(methods)} engines "
+                           f"interleaved ({_elapsed(time.perf_counter() - started)} so far)",
+                           file=sys.stderr)
+                group = _run_interleaved(
+                    cfgs, args.timeout, args.verbose,
+                    len(args.datasets) * len(args.batch_sizes) * args.prompts,
+                    f"{model} {dtype}")
+            else:
+                group = []
+                for method, cfg in zip(methods, cfgs):
+                    k += 1
+                    tqdm.write(f"== [{k}/{total}] {model} {dtype} {method.label} "
+                               f"({_elapsed(time.perf_counter() - started)} so far)",
+                               file=sys.stderr)
+                    group.append(_run_child(cfg, args.timeout, args.verbose))
+            for method, run in zip(methods, group):
                 if run.error:
-                    tqdm.write(f"   failed: {_short_error(run.error, 200)}", file=sys.stderr)
+                    tqdm.write(f"   {method.label} failed: {_short_error(run.error, 200)}",
+                               file=sys.stderr)
                 runs.append({**base, "method": method.label, "kind": method.kind,
                              "spec": method.spec, "error": run.error, **run.info})
                 rows.extend(_rows_for_run(base, method, run, args.datasets,
                                           args.batch_sizes, outputs))
-                # Checkpoint after every engine: a killed run keeps what it has.
-                add_relative_figures(rows, outputs)
-                meta["wall_s"] = time.perf_counter() - started
-                _write_json_out(out_path, {"meta": meta, "runs": runs, "rows": rows})
+            # Checkpoint after every group: a killed run keeps what it has.
+            add_relative_figures(rows, outputs)
+            meta["wall_s"] = time.perf_counter() - started
+            _write_json_out(out_path, {"meta": meta, "runs": runs, "rows": rows})
     meta["wall_s"] = time.perf_counter() - started
     meta["finished"] = _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds")
     results = {"meta": meta, "runs": runs, "rows": rows}
@@ -1031,8 +1206,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (greedy)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache per engine (MiB)")
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engines of one model and dtype at once, taking turns "
+                        "batch by batch, so drift in machine speed hits every method "
+                        "alike (default); --no-interleave: one engine after another")
     p.add_argument("--timeout", type=float, default=None,
-                   help="seconds per engine process before it is killed (default: none)")
+                   help="seconds per engine process (interleaved: per group of engines) "
+                        "before it is killed (default: none)")
     p.add_argument("--out", default=str(DEFAULT_OUT),
                    help="results JSON (the plot goes next to it, .png)")
     p.add_argument("--plot", default=None, help="plot path (default: the JSON's, .png)")

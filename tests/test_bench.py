@@ -295,3 +295,31 @@ def test_fixed_flag_and_arm_share_column():
     assert bench.parse_method("la:adaptive").spec == {"method": "lookahead", "adaptive": True}
     assert bench._fmt("arm_share", {"tree": 0.5, "pool": 0.25, "off": 0.25}) == "50/25/25"
     assert bench._fmt("arm_share", None) == "-"
+
+
+def test_turns_are_round_robin_and_skip_dead_processes(tmp_path):
+    import threading
+
+    (tmp_path / "turn").write_text("0")
+    order, lock = [], threading.Lock()
+
+    def worker(k, units):
+        turns = bench.Turns({"dir": str(tmp_path), "index": k, "count": 4})
+        turns.ready()
+        for _ in range(units):
+            turns.acquire()
+            with lock:
+                order.append(k)
+            turns.release()
+        turns.finish()
+
+    (tmp_path / "done.2").touch()  # process 2 died before it was ready
+    threads = [threading.Thread(target=worker, args=(k, 3 if k != 1 else 1))
+               for k in (0, 1, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert not any(t.is_alive() for t in threads)
+    # 0, 1, 3 in turn; once 1 is done, 0 and 3 alternate.
+    assert order == [0, 1, 3, 0, 3, 0, 3]
