@@ -310,7 +310,8 @@ def test_request_settings_default_to_engine():
 
 @pytest.mark.parametrize(
     "extra",
-    [{"lookahead": False}, {"lookahead": {"enabled": False}}, {"lookahead_enabled": False}],
+    [{"lookahead": False}, {"lookahead": {"enabled": False}}, {"lookahead_enabled": False},
+     {"lookahead_enabled": 0}, {"lookahead_enabled": "false"}],
 )
 def test_request_can_turn_lookahead_off(extra):
     assert request_settings(extra, ENGINE).enabled is False

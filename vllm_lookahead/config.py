@@ -287,6 +287,12 @@ def request_settings(extra_args: dict[str, Any] | None, engine: LookaheadConfig)
             f"allowed: {allowed}"
         )
     enabled = given.pop("enabled", True)
+    # vllm_xargs (the server's way in) carries str | int | float only: a JSON
+    # false arrives as 0, "false" stays a string.
+    if not isinstance(enabled, bool) and type(enabled) is int and enabled in (0, 1):
+        enabled = bool(enabled)
+    elif isinstance(enabled, str) and enabled.lower() in ("true", "false"):
+        enabled = enabled.lower() == "true"
     if not isinstance(enabled, bool):
         raise LookaheadConfigError(
             f"extra_args['{REQUEST_KEY}']['enabled'] must be true/false, got {enabled!r}"
