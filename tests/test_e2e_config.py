@@ -93,3 +93,17 @@ def test_llm_runs_lookahead_on_tiny_model(tiny_model_path):
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                      use_tqdm=False)
         assert proposer(llm).get_stats()["steps_off"] > 0
+
+
+def test_pipeline_parallel_fails_at_start_with_a_clear_message(tiny_model_path):
+    """vLLM 0.32 crashes later with any speculative method and PP > 1 on CPU
+    ('CPUModelRunner' object has no attribute 'drafter'); lookahead refuses
+    it while the configuration is built, naming the setting."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(tiny_model_path), skip_tokenizer_init=True,
+                      speculative_config={"method": "lookahead"},
+                      pipeline_parallel_size=2, kv_cache_memory_bytes=64 << 20)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2") as ei:
+        args.create_engine_config()
+    assert "tensor_parallel_size" in str(ei.value)

@@ -183,3 +183,35 @@ def test_payoff_gate_runs_every_arm_and_stays_exact(smollm2_path, prompts, vanil
     assert "1" in gate and set(gate["1"]["tokens_per_s"]) == {"tree", "pool", "off"}
     assert {"2", "4"} & set(gate)  # the shrinking batch got its own buckets
     assert st["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        # vLLM's defaults, with a token budget small enough that every
+        # prompt is prefilled in chunks; each prompt twice, so the second
+        # copy starts from prefix-cache hits.
+        dict(enable_prefix_caching=True, enable_chunked_prefill=True,
+             max_num_batched_tokens=64),
+        dict(enable_prefix_caching=False, enable_chunked_prefill=False),
+    ],
+    ids=["prefix-cache+chunked-prefill", "both-off"],
+)
+def test_prefix_caching_and_chunked_prefill(smollm2_path, prompts, settings):
+    """Lookahead equals vanilla vLLM run with the same cache/prefill settings
+    (the reference is per setting: chunked and whole prefills need not agree
+    to the last bit with each other)."""
+    twice = prompts[:3] + prompts[:3]
+    with engine(smollm2_path, max_num_seqs=16, **settings) as llm:
+        ref = generate_ids(llm, twice, _params(), batch=True)
+    with engine(smollm2_path, LOOKAHEAD, max_num_seqs=16, disable_log_stats=False,
+                **settings) as llm:
+        out = generate_ids(llm, twice, _params(), batch=True)
+        metrics = {m.name: m for m in llm.get_metrics()}
+        flush(llm)
+        st = proposer(llm).get_stats()
+    _same(out, ref)
+    assert st["accepted_tokens"] > 0 and st["live_requests"] == 0
+    if settings["enable_prefix_caching"]:
+        hits = metrics.get("vllm:prefix_cache_hits")
+        assert hits is not None and hits.value > 0, "no prefix-cache hit: the test proves nothing"

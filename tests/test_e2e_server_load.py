@@ -201,7 +201,8 @@ def test_concurrent_greedy_answers_equal_vanilla(lookahead_server_run, vanilla_a
     diffs = [(i, specs[i][:2], answers[i], v) for i, v in vanilla_answers.items()
              if answers[i] != v]
     assert not diffs, f"greedy answers differ from vanilla: {diffs[:3]}"
-    assert all(a and a[0] for a in vanilla_answers.values())
+    # Without stop strings every answer has text (with them it may be empty).
+    assert all(v[0] for i, v in vanilla_answers.items() if "stop" not in specs[i][5])
 
 
 def test_sampled_and_n2_requests_complete(lookahead_server_run, specs):

@@ -10,6 +10,7 @@ every other method untouched:
    field), carried to the workers in ``additional_config["lookahead"]``, and
    vLLM gets ``method="custom_class"`` with our proposer class. This covers
    ``LLM(...)``, ``EngineArgs`` and the server's ``--speculative-config``.
+   ``pipeline_parallel_size > 1`` is refused here, with a message naming it.
 2. ``GPUModelRunner._update_states``: after vLLM updates its batch, tell our
    proposer which requests finished, were aborted or resume after preemption.
 3. ``GPUModelRunner.propose_draft_token_ids``: call our proposer with the
@@ -69,7 +70,12 @@ def apply() -> None:
 def _patch_engine_args() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_lookahead.config import ADDITIONAL_CONFIG_KEY, is_lookahead, split_speculative_config
+    from vllm_lookahead.config import (
+        ADDITIONAL_CONFIG_KEY,
+        LookaheadConfigError,
+        is_lookahead,
+        split_speculative_config,
+    )
 
     orig = EngineArgs.create_speculative_config
 
@@ -79,6 +85,15 @@ def _patch_engine_args() -> None:
         if not is_lookahead(spec):
             return orig(self, *args, **kwargs)
         split = split_speculative_config(spec)
+        pp = getattr(self, "pipeline_parallel_size", 1) or 1
+        if pp > 1:
+            raise LookaheadConfigError(
+                f"speculative_config['method'] = 'lookahead' does not support "
+                f"pipeline_parallel_size={pp}: vLLM 0.32 runs speculative decoding "
+                "on a single pipeline stage only (with pipeline parallelism any "
+                "speculative method fails on CPU with \"'CPUModelRunner' object has "
+                "no attribute 'drafter'\"). Use tensor_parallel_size instead."
+            )
         self.additional_config = {
             **(self.additional_config or {}),
             ADDITIONAL_CONFIG_KEY: split.lookahead.to_dict(),
