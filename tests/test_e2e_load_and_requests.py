@@ -201,12 +201,15 @@ def test_prefix_caching_and_chunked_prefill(smollm2_path, prompts, settings):
     """Lookahead equals vanilla vLLM run with the same cache/prefill settings
     (the reference is per setting: chunked and whole prefills need not agree
     to the last bit with each other)."""
-    twice = prompts[:3] + prompts[:3]
+    # Prompts of 2+ KV blocks (128 tokens on CPU): a second prompt sharing
+    # the first one's beginning, submitted after it, hits the prefix cache.
+    long = [list(p["prompt_token_ids"]) * 2 for p in prompts[:3]]
+    rounds = [token_prompts(long), token_prompts([t + t[:16] for t in long])]
     with engine(smollm2_path, max_num_seqs=16, **settings) as llm:
-        ref = generate_ids(llm, twice, _params(), batch=True)
+        ref = [ids for r in rounds for ids in generate_ids(llm, r, _params(), batch=True)]
     with engine(smollm2_path, LOOKAHEAD, max_num_seqs=16, disable_log_stats=False,
                 **settings) as llm:
-        out = generate_ids(llm, twice, _params(), batch=True)
+        out = [ids for r in rounds for ids in generate_ids(llm, r, _params(), batch=True)]
         metrics = {m.name: m for m in llm.get_metrics()}
         flush(llm)
         st = proposer(llm).get_stats()
