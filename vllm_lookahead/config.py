@@ -289,7 +289,7 @@ def request_settings(extra_args: dict[str, Any] | None, engine: LookaheadConfig)
     enabled = given.pop("enabled", True)
     # vllm_xargs (the server's way in) carries str | int | float only: a JSON
     # false arrives as 0, "false" stays a string.
-    if not isinstance(enabled, bool) and type(enabled) is int and enabled in (0, 1):
+    if type(enabled) is int and enabled in (0, 1):  # not a bool: type() is exact
         enabled = bool(enabled)
     elif isinstance(enabled, str) and enabled.lower() in ("true", "false"):
         enabled = enabled.lower() == "true"

@@ -23,7 +23,8 @@ down to a power of two (1, 2, 4, 8, ...), since both the gain and the cost
 of extra tokens change with the batch. A step's measurement is the time from
 the proposer call that chose its arm to the next proposer call (the forward,
 sampling and the proposer itself) and the tokens the step produced. Steps
-with prefills are not measured (the caller passes ``clean=False``).
+with prefills are not measured (the proposer does not call :meth:`record`
+for them).
 
 This module is pure Python: the clock is the caller's, so tests drive it with
 a synthetic cost model.
@@ -57,8 +58,8 @@ class PayoffGate:
     again. While the same arm stays the fastest, the exploit phase doubles
     (up to ``max_hold_steps``), so a clear winner costs little exploring.
     The first measurement of a bucket and after a switch is skipped (the
-    first tree step runs a catch-up pass). A probe's rate is blended into the arm's estimate
-    (``ema`` weight for the new figure).
+    first tree step runs a catch-up pass). A probe's rate is blended into
+    the arm's estimate (``ema`` weight for the new figure).
 
     Args:
         arms: the arms to choose from (a subset of :data:`ARMS`, in probing
@@ -133,8 +134,7 @@ class PayoffGate:
         if b.queue:  # probing
             self._switch(b, b.queue.pop(0), self.probe_steps)
             return
-        known = {a: r / (1 + self.margins.get(a, 0.0)) for a, r in b.rates.items()
-                 if a in self.arms}
+        known = {a: r / (1 + self.margins.get(a, 0.0)) for a, r in b.rates.items()}
         best = max(known, key=known.get) if known else self.arms[0]
         if self.agree is not None:
             best = self.agree(best)

@@ -246,9 +246,6 @@ def fix_vllm_distribution_name() -> None:
         return  # vLLM is not installed: let vLLM's own error show
     dist = dists[0]
     orig = md.version
-    if getattr(orig, "_vllm_lookahead", False):
-        return
-
     label = dist.lower().replace("_", "-")
     label = label[len("vllm-"):] if label.startswith("vllm-") else ""
 
@@ -259,5 +256,4 @@ def fix_vllm_distribution_name() -> None:
             return f"{found}+{label}" if label and "+" not in found else found
         return orig(name)
 
-    version._vllm_lookahead = True
     md.version = version

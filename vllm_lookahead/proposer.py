@@ -490,22 +490,21 @@ class LookaheadProposer:
         text's longest earlier-seen suffix (2-4 tokens, prompt pool on), else
         the pool's most often seen (then newest) continuation of the newest
         token."""
-        self.stats.unchecked_drafts += 1
+        draft = []
         if self.cfg.prompt_pool:
             draft = suffix_lookup(tokens, n_tok, min(room, state.settings.ngram_size))
-            if draft:
-                state.draft_sources = [SOURCE_PROMPT] * len(draft)
-                return draft
-        x = int(tokens[n_tok - 1])
-        cands = state.pool.get(x)[: state.settings.guess_set_size]
-        best = choose_candidate([0] * len(cands), [c for _, c, _ in cands])
-        if best < 0:
-            state.draft_sources = []
-            self.stats.unchecked_drafts -= 1
-            return []
-        cont, _, source = cands[best]
-        state.draft_sources = [source] * len(cont)
-        return list(cont)
+            state.draft_sources = [SOURCE_PROMPT] * len(draft)
+        if not draft:
+            cands = state.pool.get(int(tokens[n_tok - 1]))[: state.settings.guess_set_size]
+            best = choose_candidate([0] * len(cands), [c for _, c, _ in cands])
+            if best < 0:
+                state.draft_sources = []
+                return []
+            cont, _, source = cands[best]
+            draft = list(cont)
+            state.draft_sources = [source] * len(draft)
+        self.stats.unchecked_drafts += 1
+        return draft
 
     def _new_state(self, runner, req_id: str, tokens: np.ndarray, n_tok: int) -> RequestState:
         cfg = self.cfg
