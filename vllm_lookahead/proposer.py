@@ -67,7 +67,7 @@ from vllm_lookahead.state import (
 )
 from vllm_lookahead.stats import LookaheadStats
 
-logger = init_logger(__name__)
+logger = init_logger("vllm." + __name__)  # under "vllm": vLLM configures that logger
 
 
 @dataclass
@@ -143,8 +143,10 @@ class LookaheadProposer:
         self._last_arm: tuple[int, str, float] | None = None
         #: Whether the step being run has no new or resumed request.
         self._clean = False
-        logger.info("Lookahead decoding: %s, draft length %d, off from %s decoding requests",
-                    self.cfg, self.num_spec_tokens, self.disable_batch_size or "no number of")
+        off = (f"off from {self.disable_batch_size} decoding requests"
+               if self.disable_batch_size else "on at every batch size")
+        logger.info("Lookahead decoding: %s, draft length %d, %s",
+                    self.cfg, self.num_spec_tokens, off)
 
     # -- vLLM's custom proposer interface ---------------------------------
     def load_model(self, model) -> None:

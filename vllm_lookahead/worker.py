@@ -34,7 +34,7 @@ from vllm_lookahead.tree_attention import (
     tree_attention_mask,
 )
 
-logger = init_logger(__name__)
+logger = init_logger("vllm." + __name__)  # under "vllm": vLLM configures that logger
 
 
 @dataclass
