@@ -4,7 +4,7 @@ gives vanilla vLLM's greedy output, and frees the proposer's state.
 SmolLM2-135M-Instruct, float32, greedy. Scenarios: tiny ``max_tokens``
 (drafts longer than what is left), stop strings that trigger mid-draft, EOS,
 more requests than ``max_num_seqs``, abort mid-generation (LLMEngine API),
-preemption (a KV cache of three blocks) and a soak of many short requests.
+preemption (a KV cache of three blocks); the soak is tests/test_e2e_soak.py.
 After each one (and a ``flush``: vLLM tells the workers about finished
 requests in the next step) the proposer holds no request state.
 """
@@ -30,8 +30,6 @@ MAX_NUM_SEQS = 3
 #: SmolLM2-135M: 30 layers x (K + V) x 3 KV heads x 64 x float32, 128-token
 #: blocks on CPU.
 KV_BLOCK_BYTES = 30 * 2 * 3 * 64 * 4 * 128
-#: Requests of the soak test (~0.3 s each on 2 idle cores).
-N_SOAK = 120
 EOS_QUESTIONS = [
     "What is the capital of France?",
     "What is 2 + 2?",
@@ -295,34 +293,3 @@ def test_preemption(small_kv, va, prompt_ids):
     assert preempted, "vLLM did not preempt: the test proves nothing"
     assert_same_tokens(got, want)
     assert_freed(small_kv)
-
-
-def test_soak_many_short_requests(la, va, prompt_ids):
-    """N_SOAK short requests through one engine (LLMEngine API, all queued
-    at once): outputs equal vanilla's, the number of request states never
-    exceeds max_num_seqs, and none is left at the end."""
-    n = N_SOAK
-    prompts = [prompt_ids[i % len(prompt_ids)][: 12 + (i * 7) % 29] for i in range(n)]
-    params = greedy(max_tokens=4)
-    want = run(va, prompts, params)
-    eng = la.llm_engine
-    drafter = proposer(la)
-    names = [f"soak-{i}" for i in range(n)]
-    for name, tp in zip(names, token_prompts(prompts)):
-        eng.add_request(name, tp, params)
-    done = {}
-    most = 0
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-        most = max(most, len(drafter.states))
-    assert len(done) == n
-    bad = [
-        i
-        for i in range(n)
-        if list(done[names[i]].outputs[0].token_ids) != list(want[i].token_ids)
-    ]
-    assert not bad, f"soak requests differing from vanilla: {bad}"
-    assert 0 < most <= MAX_NUM_SEQS, most
-    assert_freed(la)
