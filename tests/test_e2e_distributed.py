@@ -1,5 +1,5 @@
 """Tensor parallelism with lookahead: TP=2 on this CPU, with vLLM's
-multiprocessing executor and with its Ray executor (our opt-in CPU fix,
+multiprocessing executor and with both of its Ray executors (our opt-in CPU fix,
 ``LOOKAHEAD_RAY_ON_CPU=1``, on a local Ray instance the run starts), against
 TP=1 vanilla.
 
@@ -29,11 +29,19 @@ SCRIPT = Path(__file__).with_name("distributed_run.py")
 REPO = SCRIPT.parent.parent
 
 
+#: vLLM's two Ray executors: RayExecutorV2 (the default) and the older
+#: RayDistributedExecutor, and the class our fix gives their workers.
+RAY_EXECUTORS = {"ray": ("1", "CpuRayWorkerProc"), "ray-v1": ("0", "CpuRayWorkerWrapper")}
+
+
 def _run(model, spec, tp, backend, tmp_path) -> tuple[dict, str]:
     name = f"{backend}-{tp}-{'la' if spec else 'vanilla'}"
     out, log = tmp_path / f"out-{name}.json", tmp_path / f"log-{name}.txt"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if backend in RAY_EXECUTORS:
+        env["VLLM_USE_RAY_V2_EXECUTOR_BACKEND"] = RAY_EXECUTORS[backend][0]
+        backend = "ray"
     # Output to a file, not a pipe: vLLM's worker processes inherit the
     # script's stdout and can outlive its os._exit, so reading a pipe to EOF
     # would wait for them. Their own session lets us kill them all afterwards.
@@ -60,7 +68,8 @@ def vanilla_tp1(tiny_model_path, tmp_path_factory):
     return _run(tiny_model_path, None, 1, "none", tmp_path_factory.mktemp("tp"))[0]
 
 
-@pytest.mark.parametrize("backend,mode", [("mp", "fused"), ("mp", "separate"), ("ray", "fused")])
+@pytest.mark.parametrize("backend,mode", [("mp", "fused"), ("mp", "separate"), ("ray", "fused"),
+                                          ("ray-v1", "fused")])
 def test_tp2_lookahead_equals_tp1_vanilla(tiny_model_path, tmp_path, vanilla_tp1, backend, mode):
     # Lookahead on at every batch size; the pay-off gate on (the default).
     spec = {"method": "lookahead", "mode": mode, "disable_batch_size": 0}
@@ -77,9 +86,9 @@ def test_tp2_lookahead_equals_tp1_vanilla(tiny_model_path, tmp_path, vanilla_tp1
     assert ranks[0]["accepted_tokens"] > 0
     assert ranks[0]["arm_steps"]["tree"] > 0
     assert all(r["live_requests"] == 0 for r in ranks)
-    if backend == "ray":
+    if backend in RAY_EXECUTORS:
         # The workers were Ray actors of our CPU worker class.
-        assert "CpuRayWorkerProc pid=" in log
+        assert f"{RAY_EXECUTORS[backend][1]} pid=" in log
         assert "Ray executor enabled on the CPU platform" in log
 
 
