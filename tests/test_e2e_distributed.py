@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.server_utils import stop_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
@@ -54,10 +55,7 @@ def _run(model, spec, tp, backend, tmp_path) -> tuple[dict, str]:
         try:
             rc = proc.wait(timeout=600)
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            stop_server(proc)  # ends the whole process group, workers included
     text = log.read_text(encoding="utf-8", errors="replace")
     assert rc == 0 and out.exists(), text[-4000:]
     return json.loads(out.read_text()), text
