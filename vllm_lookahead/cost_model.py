@@ -1,0 +1,452 @@
+"""Measured cost of an engine step, by batch size and query tokens.
+
+Whether a lookahead tree pays depends on what extra query tokens cost on the
+machine at hand: on an Intel Xeon with AMX a bf16 step of 16 tokens costs
+about as much as one of 1 token, on an AVX2-only EPYC it costs 4-5 times as
+much, on a GPU tokens are free up to ~128. So the planner never guesses: it
+asks a :class:`CostModel`, built from
+
+* a :class:`CostCurve` measured when the engine starts (the real model's
+  step, in the shape a lookahead step has: a few query tokens per request
+  over a cached prefix), cached on disk by :class:`CostCache` under a key of
+  model, dtype, parallel sizes, hardware and vLLM version, so a restart
+  reuses it; and
+* a running correction from the step times the engine actually sees
+  (:meth:`CostModel.observe`), per batch bucket.
+
+Pure Python (no torch, no vLLM): the clock and the forward are the caller's
+(:func:`measure_curve` takes a ``time_step(batch, tokens)`` callback).
+
+Units: seconds per engine step; ``tokens`` is query tokens *per request*
+(1 for a vanilla decoding step, ``1 + draft + tree`` for a lookahead step).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger("vllm.vllm_lookahead.cost_model")
+
+#: Format version of the cache files; a file of another version is ignored.
+CACHE_VERSION = 1
+#: Query tokens per request the engine-start ladder measures.
+TOKEN_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+#: Batch buckets the ladder measures (cut to the engine's max_num_seqs).
+BATCH_LADDER = (1, 2, 4, 8, 16)
+
+
+def bucket_of(num_requests: int) -> int:
+    """1, 2, 4, 8, ...: the largest power of two <= ``num_requests``."""
+    return 1 << (max(int(num_requests), 1).bit_length() - 1)
+
+
+@dataclass
+class CostCurve:
+    """Step seconds measured per batch bucket at a ladder of query tokens
+    per request.
+
+    Attributes:
+        points: ``{batch: [(tokens_per_request, seconds), ...]}``, tokens
+            ascending, at least one point per batch.
+    """
+
+    points: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        clean = {}
+        for b, pts in self.points.items():
+            pts = sorted((int(t), float(s)) for t, s in pts)
+            if int(b) < 1 or not pts or any(t < 1 or not s > 0 or not math.isfinite(s)
+                                            for t, s in pts):
+                raise ValueError(f"bad cost curve points for batch {b}: {pts}")
+            clean[int(b)] = pts
+        if not clean:
+            raise ValueError("a cost curve needs at least one batch size")
+        self.points = dict(sorted(clean.items()))
+
+    @property
+    def batches(self) -> list[int]:
+        return list(self.points)
+
+    def _at(self, batch: int, tokens: float) -> float:
+        """Piecewise-linear in tokens for one measured batch; linear
+        extrapolation past the last point (from the last two), flat below
+        the first."""
+        pts = self.points[batch]
+        ts = [t for t, _ in pts]
+        if tokens <= ts[0] or len(pts) == 1:
+            if len(pts) == 1:
+                t0, s0 = pts[0]
+                return s0 * max(tokens, 1.0) / t0 if tokens > t0 else s0
+            return pts[0][1]
+        i = bisect.bisect_left(ts, tokens)
+        if i >= len(pts):
+            (t0, s0), (t1, s1) = pts[-2], pts[-1]
+        else:
+            (t0, s0), (t1, s1) = pts[i - 1], pts[i]
+        slope = max((s1 - s0) / (t1 - t0), 0.0)
+        return s1 + slope * (tokens - t1) if i >= len(pts) else s0 + slope * (tokens - t0)
+
+    def predict(self, batch: int, tokens: float) -> float:
+        """Seconds of a step of ``batch`` requests with ``tokens`` query
+        tokens each (on average). Between measured batch sizes: linear in
+        the batch size; past the largest: the largest's curve at the same
+        total number of tokens."""
+        batch = max(int(batch), 1)
+        tokens = max(float(tokens), 1.0)
+        bs = self.batches
+        if batch in self.points:
+            return self._at(batch, tokens)
+        if batch > bs[-1]:
+            top = bs[-1]
+            return self._at(top, tokens * batch / top)
+        if batch < bs[0]:
+            return self._at(bs[0], tokens)
+        i = bisect.bisect_left(bs, batch)
+        lo, hi = bs[i - 1], bs[i]
+        f = (batch - lo) / (hi - lo)
+        return (1 - f) * self._at(lo, tokens) + f * self._at(hi, tokens)
+
+    def to_dict(self) -> dict:
+        return {str(b): [[t, s] for t, s in pts] for b, pts in self.points.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostCurve":
+        return cls({int(b): [(int(t), float(s)) for t, s in pts] for b, pts in d.items()})
+
+    @classmethod
+    def flat(cls, seconds: float = 1.0, per_token: float = 0.0) -> "CostCurve":
+        """A synthetic curve: ``seconds * (1 + per_token * (tokens - 1))``."""
+        return cls({1: [(1, seconds), (64, seconds * (1 + per_token * 63))]})
+
+
+def monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """A step never gets cheaper with more tokens: each point becomes the
+    least cost measured at its size or above (noise -- another process on
+    the cores -- only ever adds time)."""
+    out, low = [], math.inf
+    for t, s in reversed(points):
+        low = min(low, s)
+        out.append((t, low))
+    return out[::-1]
+
+
+def measure_curve(
+    time_step: Callable[[int, int], float],
+    batches=BATCH_LADDER,
+    tokens=TOKEN_LADDER,
+    budget_s: float = 8.0,
+    repeats: int = 3,
+    keep_going: Callable[[bool], bool] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> CostCurve:
+    """Measure a :class:`CostCurve` with ``time_step(batch, tokens)`` (one
+    step's seconds), the least of ``repeats`` runs per point (other load
+    only ever adds time) after one warm-up run.
+
+    Points go in order of cost (batch 1 first, tokens ascending within a
+    batch), and the ladder stops once ``budget_s`` is spent: unmeasured
+    points are extrapolated by :meth:`CostCurve.predict`. A batch keeps its
+    points only if it got at least two.
+
+    ``keep_going(local_wish) -> bool`` decides, before each point, whether
+    to go on (tensor parallel ranks must run the same forwards: the proposer
+    passes a broadcast of rank 0's wish).
+    """
+    start = clock()
+    points: dict[int, list[tuple[int, float]]] = {}
+    for b in batches:
+        got = []
+        for t in tokens:
+            wish = clock() - start < budget_s
+            go = keep_going(wish) if keep_going is not None else wish
+            if not go:
+                break
+            time_step(b, t)  # warm-up
+            got.append((t, min(time_step(b, t) for _ in range(max(repeats, 1)))))
+        if len(got) >= 2 or (b == batches[0] and got):
+            points[b] = monotone(got)
+        if len(got) < len(tokens):
+            break
+    return CostCurve(points)
+
+
+class _Affine:
+    """Exponentially weighted least squares of ``y = a + b * (x - 1)``."""
+
+    __slots__ = ("w", "x", "y", "xx", "xy")
+
+    def __init__(self) -> None:
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, x: float, y: float, weight: float = 1.0, keep: float = 1.0) -> None:
+        x -= 1.0
+        self.w = self.w * keep + weight
+        self.x = self.x * keep + weight * x
+        self.y = self.y * keep + weight * y
+        self.xx = self.xx * keep + weight * x * x
+        self.xy = self.xy * keep + weight * x * y
+
+    def fit(self) -> tuple[float, float]:
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        b = (self.xy / self.w - mx * my) / var if var > 1e-9 else 0.0
+        b = max(b, 0.0)  # more rows never cost less
+        return my - b * mx, b
+
+
+class CostModel:
+    """A :class:`CostCurve` plus what the step times seen teach, per batch
+    bucket and kind of step.
+
+    * Steps **with trees**: the curve (measured through the tree-attention
+      path, which such steps run), times a running correction factor: the
+      exponentially weighted mean of log(seen / predicted), each step's
+      ratio clipped to ``[1/2, 2]``, the first :data:`SKIP_FIRST` steps of
+      an engine left out.
+    * Steps **without trees** (vLLM's rows only: the newest token and a
+      draft, through vLLM's own attention): a line ``a + b * (tokens - 1)``
+      fitted to the step times seen (weighted least squares with
+      forgetting), starting from the curve less its fixed jump from 1 to 2
+      rows (:meth:`plain`) as a prior. The slope matters: it is what a
+      draft token costs, which the tree-path curve does not tell.
+
+    With tensor parallelism every rank must plan alike: :meth:`agreed`
+    installs the corrections all ranks use (the proposer broadcasts rank 0's
+    every ``agree_every`` steps), and :meth:`predict` reads only those.
+    """
+
+    #: Pseudo-observations the curve's plain line counts for.
+    PRIOR_WEIGHT = 4.0
+    #: Steps with trees not booked at the start of an engine (one-time costs).
+    SKIP_FIRST = 2
+
+    def __init__(self, curve: CostCurve, ema: float = 0.05, source: str = "measured") -> None:
+        self.curve = curve
+        self.ema = ema
+        self.source = source
+        self._log: dict[int, float] = {}  # steps with trees: bucket -> log factor
+        self._n: dict[int, int] = {}
+        self._lines: dict[int, _Affine] = {}  # steps without trees: bucket -> fit
+        #: agreed corrections, used by predict: (bucket, True) -> factor,
+        #: (bucket, False) -> (a, b) of the plain line.
+        self.factors: dict[tuple[int, bool], object] = {}
+
+    def plain(self, batch: int, tokens: float) -> float:
+        """Curve seconds of a step without trees (see the class doc)."""
+        c1 = self.curve.predict(batch, 1)
+        if tokens <= 1:
+            return c1
+        c2, c16 = self.curve.predict(batch, 2), self.curve.predict(batch, 16)
+        slope = max(c16 - c2, 0.0) / 14
+        jump = max(c2 - c1 - slope, 0.0)
+        return max(self.curve.predict(batch, tokens) - jump, c1)
+
+    def predict(self, batch: int, tokens: float, tree: bool = True) -> float:
+        """Seconds of a step of ``batch`` requests with ``tokens`` query
+        tokens each on average, ``tree``: with lookahead trees in it."""
+        b = bucket_of(batch)
+        if tree:
+            return self.curve.predict(batch, tokens) * self.factors.get((b, True), 1.0)
+        line = self.factors.get((b, False))
+        if line is None:
+            return self.plain(batch, tokens)
+        # the fitted line is per request-token at the bucket's batch size;
+        # scale by the curve for other batch sizes within the bucket
+        a, slope = line
+        scale = self.plain(batch, tokens) / max(self.plain(b, tokens), 1e-12)
+        return max(a + slope * (max(tokens, 1.0) - 1), 1e-6) * scale
+
+    def observe(self, batch: int, tokens: float, seconds: float, tree: bool = True) -> None:
+        """A step of ``batch`` requests, ``tokens`` query tokens each on
+        average, ``tree``: with trees, took ``seconds``."""
+        if not seconds > 0 or not math.isfinite(seconds):
+            return
+        b = bucket_of(batch)
+        if not tree:
+            line = self._lines.get(b)
+            if line is None:
+                line = self._lines[b] = _Affine()
+                for t in (1, 2, 4, 8):  # the prior: the curve's plain line
+                    line.add(t, self.plain(b, t), self.PRIOR_WEIGHT / 4)
+            seconds *= self.plain(b, tokens) / max(self.plain(batch, tokens), 1e-12)
+            line.add(tokens, seconds, 1.0, keep=1 - self.ema)
+            return
+        n = self._n.get(b, 0)
+        self._n[b] = n + 1
+        if n < self.SKIP_FIRST:
+            return  # the first tree steps of an engine carry one-time costs
+        # one step moves the factor by at most a factor 2 of evidence
+        r = math.log(seconds / self.curve.predict(batch, tokens))
+        r = min(max(r, -math.log(2)), math.log(2))
+        # A plain mean for the first few, then exponential forgetting.
+        w = max(1.0 / (n - self.SKIP_FIRST + 1), self.ema)
+        self._log[b] = (1 - w) * self._log.get(b, 0.0) + w * r
+
+    def local_factors(self) -> dict[tuple[int, bool], object]:
+        out: dict[tuple[int, bool], object] = {(b, True): math.exp(v) for b, v in self._log.items()}
+        out.update({(b, False): line.fit() for b, line in self._lines.items()})
+        return out
+
+    def agreed(self, factors: dict) -> None:
+        self.factors = dict(factors)
+
+    def snapshot(self) -> dict:
+        corr = {}
+        for (b, t), f in sorted(self.factors.items()):
+            if t:
+                corr[f"{b}:tree"] = round(f, 3)
+            else:
+                corr[f"{b}:plain_ms"] = [round(f[0] * 1e3, 3), round(f[1] * 1e3, 3)]
+        return {
+            "source": self.source,
+            "curve_ms": {str(b): [[t, round(s * 1e3, 3)] for t, s in pts]
+                         for b, pts in self.curve.points.items()},
+            "correction": corr,
+        }
+
+
+def machine_busy_s() -> float | None:
+    """CPU seconds all processes of the machine have been busy (Linux
+    ``/proc/stat``), or None where that cannot be read."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal ...
+    vals = [int(x) for x in fields[1:9]]
+    busy = vals[0] + vals[1] + vals[2] + vals[5] + vals[6] + vals[7]
+    return busy / (os.sysconf("SC_CLK_TCK") or 100)
+
+
+class LoadProbe:
+    """Other processes' CPU load while something runs: machine-wide busy
+    time minus this process's own CPU time, in cores (0 where unknown)."""
+
+    def __enter__(self) -> "LoadProbe":
+        self._busy, self._own, self._t = machine_busy_s(), time.process_time(), time.perf_counter()
+        self.cores = 0.0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy = machine_busy_s()
+        wall = time.perf_counter() - self._t
+        if busy is None or self._busy is None or wall <= 0:
+            return
+        other = (busy - self._busy) - (time.process_time() - self._own)
+        self.cores = max(0.0, other / wall)
+
+
+# -- on-disk cache ---------------------------------------------------------------
+
+def hardware_id() -> dict:
+    """What the cost of a step depends on, besides the model: the CPU model
+    and its instruction-set flags (or the GPU's name), and the cores."""
+    hw = {"machine": platform.machine(), "cores": os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            info = f.read()
+        for line in info.splitlines():
+            key, _, val = line.partition(":")
+            key = key.strip()
+            if key == "model name" and "cpu" not in hw:
+                hw["cpu"] = val.strip()
+            elif key == "flags" and "flags_sha1" not in hw:
+                flags = " ".join(sorted(val.split()))
+                hw["flags_sha1"] = hashlib.sha1(flags.encode()).hexdigest()[:16]
+    except OSError:
+        hw["cpu"] = platform.processor() or "unknown"
+    return hw
+
+
+def cache_key(model: str, dtype: str, tensor_parallel: int, pipeline_parallel: int,
+              vllm_version: str, device: str, extra: dict | None = None) -> dict:
+    """The key a cached curve is valid under."""
+    return {
+        "model": str(model),
+        "dtype": str(dtype),
+        "tensor_parallel": int(tensor_parallel),
+        "pipeline_parallel": int(pipeline_parallel),
+        "vllm": str(vllm_version),
+        "device": str(device),
+        "hardware": hardware_id() if device == "cpu" else {"gpu": device},
+        **(extra or {}),
+    }
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("VLLM_LOOKAHEAD_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "vllm-lookahead")
+    return Path(base) / "cost"
+
+
+class CostCache:
+    """Cost curves on disk, one JSON file per key (named by its hash).
+
+    A file that does not parse, holds another key or another format version
+    is ignored with a warning: it never stops the engine.
+    """
+
+    def __init__(self, directory: str | os.PathLike | None = None) -> None:
+        self.dir = Path(directory) if directory is not None else default_cache_dir()
+
+    @staticmethod
+    def _digest(key: dict) -> str:
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+    def path(self, key: dict) -> Path:
+        return self.dir / f"cost-{self._digest(key)}.json"
+
+    def load(self, key: dict) -> CostCurve | None:
+        return load_curve(self.path(key), key)
+
+    def save(self, key: dict, curve: CostCurve) -> Path | None:
+        path = self.path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"version": CACHE_VERSION, "key": key,
+                                       "curve": curve.to_dict()}, indent=1))
+            os.replace(tmp, path)
+            return path
+        except OSError as e:
+            logger.warning("Lookahead: could not write the cost curve to %s: %s", path, e)
+            return None
+
+
+def load_curve(path: str | os.PathLike, key: dict | None = None) -> CostCurve | None:
+    """A curve from a file written by :class:`CostCache` (or by hand:
+    ``{"version": 1, "curve": {"1": [[1, 0.05], [16, 0.07]]}}``). With
+    ``key``, the file's key must equal it. None, with a warning, for a
+    missing key match, a corrupt file or one of another version; None
+    silently for a missing file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.warning("Lookahead: ignoring unreadable cost curve %s: %s", path, e)
+        return None
+    try:
+        if data.get("version") != CACHE_VERSION:
+            raise ValueError(f"format version {data.get('version')!r}, want {CACHE_VERSION}")
+        if key is not None and data.get("key") != key:
+            raise ValueError("it was measured for another model, dtype or machine")
+        return CostCurve.from_dict(data["curve"])
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        logger.warning("Lookahead: ignoring cost curve %s: %s", path, e)
+        return None

@@ -1,0 +1,167 @@
+"""The cost model of an engine, set up when vLLM warms the model up.
+
+``cost_model`` (a lookahead setting) says where the curve comes from:
+
+* ``"auto"`` (default): the curve cached on disk for this model, dtype,
+  parallel sizes, hardware and vLLM version; measured (and cached) if there
+  is none;
+* ``"measure"``: measured at every start (and cached);
+* a path to a JSON file (as :class:`~.cost_model.CostCache` writes them):
+  that curve, whatever the machine;
+* ``"off"``: nothing measured; the planner assumes each query token adds
+  :data:`ASSUMED_PER_TOKEN` of a one-token step, and corrects only the scale
+  from the steps it sees.
+
+The measurement times the real model on the engine's own KV cache: ``B``
+requests with ``T`` query tokens each over a cached prefix of
+:data:`CONTEXT` tokens (a lookahead step's shape: a few tree or draft rows
+per request, not a prefill), within :data:`BUDGET_S` seconds.
+"""
+
+from __future__ import annotations
+
+import time
+
+from vllm.logger import init_logger
+
+from vllm_lookahead.cost_model import (
+    BATCH_LADDER,
+    TOKEN_LADDER,
+    CostCache,
+    CostCurve,
+    CostModel,
+    LoadProbe,
+    cache_key,
+    load_curve,
+    measure_curve,
+)
+
+logger = init_logger("vllm." + __name__)
+
+#: Seconds the engine-start measurement may take (the ladder is cut there).
+BUDGET_S = 6.0
+#: Cached tokens in front of the timed rows.
+CONTEXT = 256
+#: ``cost_model="off"``: relative cost of each extra query token.
+ASSUMED_PER_TOKEN = 0.1
+#: A timed run during which other processes kept more cores than this busy
+#: is retried after LOAD_WAIT_S, at most LOAD_RETRIES times.
+LOAD_CORES = 0.3
+LOAD_WAIT_S = 0.5
+LOAD_RETRIES = 6
+
+
+def build_cost_model(setting: str, runner, worker, agree=None) -> CostModel:
+    """The engine's :class:`CostModel` for ``setting`` (see module doc).
+
+    ``agree(obj) -> obj``: with tensor parallelism, rank 0's value on every
+    rank (all ranks must run the same measuring forwards and plan alike).
+    """
+    one = (lambda x: x) if agree is None else agree
+    if setting == "off":
+        return CostModel(CostCurve.flat(0.05, ASSUMED_PER_TOKEN), source="assumed")
+    key = _key(runner)
+    cache = CostCache()
+    if setting == "auto":
+        curve, where, source = cache.load(key), cache.path(key), "cached"
+    elif setting == "measure":
+        curve, where, source = None, None, None
+    else:
+        curve, where, source = load_curve(setting), setting, f"file:{setting}"
+        if curve is None:
+            logger.warning("Lookahead: no usable cost curve in %s; measuring one", setting)
+    # Every rank must agree on whether to measure (measuring runs forwards,
+    # and a file or cache may be readable on one node only), and use rank
+    # 0's curve.
+    if one(curve is not None):
+        logger.info("Lookahead: step cost curve from %s", where)
+        return CostModel(one(curve), source=source)
+    curve, loaded = measure(runner, worker, agree)
+    curve, loaded = one((curve, loaded))
+    if loaded:
+        # Other processes took the cores while we timed: the curve may be
+        # off. Use it for this run, but do not keep it.
+        logger.warning("Lookahead: other processes kept the CPU busy while the step cost "
+                       "was measured (%d of its points); not caching the curve", loaded)
+        path = None
+    else:
+        path = cache.save(key, curve)
+    logger.info("Lookahead: step cost measured (%s), 1-token step %.1f ms%s",
+                ", ".join(f"batch {b}: {len(p)} sizes" for b, p in curve.points.items()),
+                curve.predict(1, 1) * 1e3, f", cached in {path}" if path else "")
+    return CostModel(curve, source="measured" if not loaded else "measured-under-load")
+
+
+def measure(runner, worker, agree=None) -> tuple[CostCurve, int]:
+    """Time the model's step on the engine's KV cache (see module doc).
+
+    A run during which other processes kept more than :data:`LOAD_CORES`
+    cores busy is retried after a short wait (up to :data:`LOAD_RETRIES`
+    times; waiting does not count against the budget). Returns the curve
+    and how many points stayed loaded. With tensor parallelism (``agree``)
+    there is no load check: the other ranks load the cores themselves, and
+    every rank must run the same forwards."""
+    import numpy as np
+
+    from vllm_lookahead.worker import TreeRequest
+
+    cfg = runner.vllm_config
+    max_seqs = cfg.scheduler_config.max_num_seqs
+    context = max(1, min(CONTEXT, cfg.model_config.max_model_len - 2 * TOKEN_LADDER[-1]))
+    batches = [b for b in BATCH_LADDER if b <= max_seqs]
+    tokens = [t for t in TOKEN_LADDER if context + t < cfg.model_config.max_model_len]
+
+    def time_step(b: int, t: int) -> float:
+        mask = np.tril(np.ones((t, t), dtype=bool))
+        reqs = [TreeRequest(tokens=np.full(t, 100 + r, dtype=np.int32),
+                            positions=np.arange(context, context + t, dtype=np.int64),
+                            mask=mask, context_len=context, batch_index=r)
+                for r in range(b)]
+        if agree is not None:
+            # Tensor parallel: the other ranks' CPU time is no foreign load,
+            # and a retry is a collective forward every rank must run.
+            t0 = time.perf_counter()
+            worker.run(reqs)
+            return time.perf_counter() - t0
+        for attempt in range(LOAD_RETRIES + 1):
+            with LoadProbe() as probe:
+                t0 = time.perf_counter()
+                worker.run(reqs)
+                took = time.perf_counter() - t0
+            if probe.cores <= LOAD_CORES:
+                return took
+            if attempt < LOAD_RETRIES:
+                t1 = time.perf_counter()
+                time.sleep(LOAD_WAIT_S)
+                waited[0] += time.perf_counter() - t1
+        loaded.add((b, t))
+        return took
+
+    waited, loaded = [0.0], set()
+    keep_going = None if agree is None else (lambda wish: bool(agree(wish)))
+    curve = measure_curve(time_step, batches, tokens, budget_s=BUDGET_S, keep_going=keep_going,
+                          clock=lambda: time.perf_counter() - waited[0])
+    return curve, len(loaded)
+
+
+def _key(runner) -> dict:
+    import vllm
+
+    cfg = runner.vllm_config
+    mc, pc = cfg.model_config, cfg.parallel_config
+    device = "cpu"
+    try:
+        import torch
+
+        dev = getattr(runner, "device", None)
+        if dev is not None and getattr(dev, "type", "cpu") == "cuda":
+            device = torch.cuda.get_device_name(dev)
+    except Exception:  # pragma: no cover
+        pass
+    return cache_key(
+        model=mc.model, dtype=str(mc.dtype).replace("torch.", ""),
+        tensor_parallel=pc.tensor_parallel_size, pipeline_parallel=pc.pipeline_parallel_size,
+        vllm_version=getattr(vllm, "__version__", "unknown"), device=device,
+        extra={"enforce_eager": bool(mc.enforce_eager), "context": CONTEXT,
+               "max_num_seqs": cfg.scheduler_config.max_num_seqs},
+    )
