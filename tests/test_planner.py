@@ -1,0 +1,346 @@
+"""The per-step planner, the acceptance model and the cost model, without an
+engine: synthetic cost curves of the machine kinds we meet (AMX Xeon:
+bf16 flat up to 16 tokens; AVX2 EPYC bf16: steep from 2 tokens; a GPU: flat
+up to 128), with high and zero acceptance."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from vllm_lookahead.acceptance import AcceptancePrior, RequestAcceptance, geometric_gain
+from vllm_lookahead.cost_model import (
+    CostCache,
+    CostCurve,
+    CostModel,
+    bucket_of,
+    cache_key,
+    load_curve,
+    measure_curve,
+)
+from vllm_lookahead.planner import OFF, Planner, RequestView, Shape
+
+# -- synthetic machines ----------------------------------------------------------
+STEP = 0.05  # seconds of a 1-token step
+
+
+def curve_from(fn, batches=(1, 2, 4, 8, 16), tokens=(1, 2, 4, 8, 16, 24, 32, 48, 64, 128)):
+    """A measured-looking curve from ``fn(total_tokens) -> relative cost``."""
+    return CostCurve({b: [(t, STEP * fn(b * t)) for t in tokens] for b in batches})
+
+
+def amx(total):  # bf16 with AMX: nearly free up to 16 tokens, then rising
+    return 1.0 if total <= 16 else 1.0 + 0.04 * (total - 16)
+
+
+def avx2_bf16(total):  # every extra token costs a quarter step
+    return 1.0 + 0.25 * (total - 1)
+
+
+def gpu(total):  # flat up to 128 tokens
+    return 1.0 if total <= 128 else total / 128
+
+
+def model(fn):
+    return CostModel(curve_from(fn))
+
+
+def acceptance(p_unchecked, tree_by_g, window_extra, p_checked=1.0, g_max=8):
+    """A request whose estimates were learnt from many observations."""
+    prior = AcceptancePrior(max_cands=g_max, p_unchecked=p_unchecked, p_checked=p_checked,
+                            tree_cands=list(tree_by_g), tree_window=window_extra)
+    return RequestAcceptance(prior)
+
+
+HIGH = dict(p_unchecked=0.8, tree_by_g=[1.6, 2.0, 2.2, 2.3, 2.4, 2.4, 2.4, 2.4],
+            window_extra=0.5)
+ZERO = dict(p_unchecked=0.0, tree_by_g=[0.0] * 8, window_extra=0.0)
+
+
+def view(acc, chain=0, unchecked=4, n=5, w=7, g=8, room=5, **kw):
+    return RequestView(acc=acc, ngram_size=n, window_size=w, guess_set_size=g, room=room,
+                       chain=chain, unchecked=unchecked, **kw)
+
+
+# -- planner ----------------------------------------------------------------------
+@pytest.mark.parametrize("fn", [amx, avx2_bf16, gpu])
+def test_nothing_pays_with_zero_acceptance(fn):
+    plan = Planner(model(fn)).plan([view(acceptance(**ZERO), chain=0)])
+    assert plan == [OFF]
+
+
+def test_tokens_free_means_large_trees():
+    planner = Planner(model(gpu))
+    plan = planner.plan([view(acceptance(**HIGH), chain=3)])
+    assert plan[0].kind == "tree"
+    assert plan[0].window == 7 and plan[0].cands == 8  # the whole tree: it costs nothing
+
+
+def test_amx_like_tree_fits_the_free_size():
+    planner = Planner(model(amx))
+    (shape,) = planner.plan([view(acceptance(**HIGH), chain=3)])
+    assert shape.kind == "tree"
+    assert shape.query <= 24  # about the free size, not the full (N-1)(W+G) = 60
+    assert planner.predicted_rate([shape]) > planner.predicted_rate([OFF]) * 1.5
+
+
+def test_avx2_bf16_like_no_tree_but_a_draft():
+    planner = Planner(model(avx2_bf16))
+    (shape,) = planner.plan([view(acceptance(**HIGH), chain=0, unchecked=4)])
+    assert shape.kind == "draft"
+    # every token costs a quarter step: long drafts of 80% tokens still pay
+    assert 1 <= shape.draft <= 4
+
+
+def test_avx2_bf16_like_low_acceptance_goes_off():
+    acc = acceptance(p_unchecked=0.15, tree_by_g=[0.2] * 8, window_extra=0.1)
+    (shape,) = Planner(model(avx2_bf16)).plan([view(acc)])
+    assert shape == OFF
+
+
+def test_never_explores_a_tree_costing_several_steps_for_a_small_gain():
+    # The prior of a fresh engine (LADE-like: under one confirmed token per
+    # step) on a machine where a tree costs several plain steps: no tree,
+    # not even once to see.
+    prior = AcceptancePrior(max_cands=8)
+    planner = Planner(model(avx2_bf16))
+    for chain in (0, 2):
+        (shape,) = planner.plan([view(RequestAcceptance(prior), chain=chain)])
+        assert shape.kind != "tree"
+        tree = [s for s in planner.shapes(view(RequestAcceptance(prior), chain=chain), 1)
+                if s.kind == "tree"]
+        assert min(planner.predicted_rate([t]) for t in tree) < planner.predicted_rate([OFF])
+
+
+def test_batch_shares_the_cost():
+    # AMX-like: 16 tokens are free in total, not per request, so a batch of
+    # 8 cannot give each request a big tree.
+    planner = Planner(model(amx))
+    views = [view(acceptance(**HIGH), chain=3) for _ in range(8)]
+    plan = planner.plan(views)
+    assert sum(s.query for s in plan) <= 8 * 8
+    assert planner.predicted_rate(plan) >= planner.predicted_rate([OFF] * 8)
+    # and it beats every uniform plan of one shape
+    for s in planner.shapes(views[0], 8):
+        assert planner.predicted_rate(plan) >= planner.predicted_rate([s] * 8) * 0.999
+
+
+def test_fixed_and_no_tree_views():
+    planner = Planner(model(gpu))
+    fixed = Shape("draft", draft=2, tokens=1.5)
+    acc = acceptance(**HIGH)
+    plan = planner.plan([view(acc, fixed=fixed), view(acc, chain=2, trees=False)])
+    assert plan[0] is fixed
+    assert plan[1].kind == "draft" and plan[1].draft == 2  # its chain, no tree
+
+
+def test_no_room_means_off():
+    assert Planner(model(gpu)).plan([view(acceptance(**HIGH), room=0)]) == [OFF]
+
+
+def test_tree_token_budget():
+    planner = Planner(model(gpu))
+    plan = planner.plan([view(acceptance(**HIGH), chain=3) for _ in range(4)], max_tree_tokens=40)
+    assert sum(s.nodes for s in plan) <= 40
+    assert any(s.kind == "tree" for s in plan)
+
+
+def test_catch_up_is_priced():
+    # Without a checked chain, a fused tree first needs a catch-up pass.
+    planner = Planner(model(amx))
+    acc = acceptance(**HIGH)
+    with_chain = [s for s in planner.shapes(view(acc, chain=2), 1) if s.kind == "tree"]
+    without = [s for s in planner.shapes(view(acc, chain=0), 1) if s.kind == "tree"]
+    assert all(s.extra_s == 0 for s in with_chain)
+    assert all(s.extra_s > 0 for s in without)
+
+
+# -- acceptance ----------------------------------------------------------------------
+def test_geometric_gain():
+    assert geometric_gain(1.0, 4) == 4
+    assert geometric_gain(0.0, 4) == 0
+    assert geometric_gain(0.5, 2) == pytest.approx(0.75)
+
+
+def test_unchecked_rate_learns_from_text():
+    acc = RequestAcceptance(AcceptancePrior(max_cands=4))
+    for _ in range(50):
+        acc.observe_unchecked([1, 2, 3], [1, 2, 3, 4])  # always right
+    assert acc.unchecked["suffix4"].p > 0.95
+    for _ in range(50):
+        acc.observe_unchecked([9, 2, 3], [1, 2])  # always wrong
+    assert acc.unchecked["suffix4"].p < 0.1
+    before = acc.unchecked["suffix4"].p
+    acc.observe_unchecked([], [1])  # no draft: nothing learnt
+    assert acc.unchecked["suffix4"].p == before
+
+
+def test_lookup_kinds_are_learnt_apart():
+    # a 4-token suffix match is right, the pool's one-token guess is not
+    acc = RequestAcceptance(AcceptancePrior(max_cands=4))
+    for _ in range(50):
+        acc.observe_unchecked([1, 2, 3], [1, 2, 3, 4], "suffix4")
+        acc.observe_unchecked([7, 8], [1, 2], "pool")
+    assert acc.unchecked_gain(3, "suffix4") > 2.5
+    assert acc.unchecked_gain(3, "pool") < 0.2
+    planner = Planner(model(avx2_bf16))
+    good = planner.plan([view(acc, unchecked=3, lookup_kind="suffix4")])[0]
+    bad = planner.plan([view(acc, unchecked=3, lookup_kind="pool")])[0]
+    assert good.kind == "draft" and bad == OFF
+
+
+def test_tree_counterfactuals_and_relaxing():
+    prior = AcceptancePrior(max_cands=4, tree_cands=[1.0] * 4, tree_window=0.5)
+    acc = RequestAcceptance(prior)
+    for _ in range(60):
+        # candidate 2 (a window n-gram) confirms 3 tokens, text candidates 0/1
+        acc.observe_tree([0, 1, 3], [False, False, True], window_on=True)
+    assert acc.tree_gain(1, False) == pytest.approx(0.0, abs=0.05)
+    assert acc.tree_gain(2, False) == pytest.approx(1.0, abs=0.05)
+    assert acc.tree_gain(2, True) == pytest.approx(3.0, abs=0.1)
+    # without trees, the estimates drift back towards the engine's prior
+    # (which other requests have since found better)
+    prior.tree_cands = [1.0] * 4
+    low = acc.tree_gain(1, False)
+    for _ in range(200):
+        acc.relax()
+    assert acc.tree_gain(1, False) > low + 0.3
+    assert abs(acc.tree_gain(1, False) - prior.tree_gain(1, False)) < 0.05
+
+
+def test_new_requests_start_from_the_engines_experience():
+    prior = AcceptancePrior(max_cands=4)
+    start = prior.p_unchecked["suffix4"]
+    a = RequestAcceptance(prior)
+    for _ in range(300):
+        a.observe_unchecked([5, 6], [5, 6])
+    assert prior.p_unchecked["suffix4"] > start + 0.3
+    assert RequestAcceptance(prior).unchecked["suffix4"].p > start + 0.3
+
+
+# -- cost model ------------------------------------------------------------------------
+def test_curve_interpolates_and_extrapolates():
+    c = CostCurve({1: [(1, 1.0), (9, 2.0)], 4: [(1, 2.0), (9, 6.0)]})
+    assert c.predict(1, 5) == pytest.approx(1.5)
+    assert c.predict(1, 17) == pytest.approx(3.0)  # past the last point
+    assert c.predict(2, 1) == pytest.approx(1.0 + (2.0 - 1.0) / 3)  # between batches
+    assert c.predict(8, 1) == pytest.approx(c.predict(4, 2))  # same total tokens
+    with pytest.raises(ValueError):
+        CostCurve({1: [(1, -1.0)]})
+
+
+def test_model_corrects_from_seen_steps():
+    m = CostModel(CostCurve.flat(0.05))
+    m.observe(1, 1, 5.0)  # the first tree steps of an engine are not booked
+    m.observe(1, 1, 5.0)
+    for _ in range(30):
+        m.observe(1, 1, 0.10)
+    assert m.predict(1, 1) == pytest.approx(0.05)  # nothing agreed yet
+    m.agreed(m.local_factors())
+    assert m.predict(1, 1) == pytest.approx(0.10, rel=0.05)
+    assert m.predict(4, 1) == pytest.approx(m.curve.predict(4, 1))  # other bucket
+    assert bucket_of(5) == 4 and bucket_of(1) == 1
+    # steps with and without trees are corrected apart: steps without
+    # trees fit a line (what a draft token costs), here 20 ms + 5 ms/token
+    for _ in range(60):
+        for q in (1, 3, 5):
+            m.observe(1, q, 0.020 + 0.005 * (q - 1), tree=False)
+    m.agreed(m.local_factors())
+    assert m.predict(1, 1, tree=False) == pytest.approx(0.020, rel=0.05)
+    assert m.predict(1, 4, tree=False) == pytest.approx(0.035, rel=0.05)
+    assert m.predict(1, 1, tree=True) == pytest.approx(0.10, rel=0.05)
+
+
+def test_steps_without_trees_lose_the_tree_paths_jump():
+    # The ladder runs every row through the tree path: from 1 to 2 rows it
+    # jumps by a fixed cost that vLLM's own attention does not pay.
+    c = CostCurve({1: [(1, 0.024), (2, 0.034), (16, 0.036), (64, 0.080)]})
+    m = CostModel(c)
+    assert m.predict(1, 1, tree=False) == pytest.approx(0.024)
+    assert m.predict(1, 5, tree=False) == pytest.approx(0.024 + 4 * 0.002 / 14, rel=1e-6)
+    assert m.predict(1, 5, tree=True) == pytest.approx(c.predict(1, 5))
+    assert m.predict(1, 64, tree=False) < m.predict(1, 64, tree=True)
+
+
+def test_measure_curve_respects_its_budget():
+    clock = [0.0]
+
+    def time_step(b, t):
+        s = 0.01 * b * (1 + t / 8)
+        clock[0] += s
+        return s
+
+    full = measure_curve(time_step, batches=(1, 2), tokens=(1, 4, 16), budget_s=100,
+                         repeats=3, clock=lambda: clock[0])
+    assert full.points[2][-1] == (16, pytest.approx(0.06))
+    clock[0] = 0.0
+    cut = measure_curve(time_step, batches=(1, 2, 4), tokens=(1, 4, 16), budget_s=0.1,
+                        repeats=3, clock=lambda: clock[0])
+    assert 1 in cut.points and 4 not in cut.points
+    wishes = []
+    agreed = measure_curve(time_step, batches=(1,), tokens=(1, 4, 16), budget_s=100,
+                           keep_going=lambda wish: wishes.append(wish) or len(wishes) < 3)
+    assert [t for t, _ in agreed.points[1]] == [1, 4]
+
+
+def test_measured_curve_never_falls_with_more_tokens():
+    noisy = {1: 0.09, 2: 0.015, 4: 0.018, 8: 0.002, 16: 0.012}  # another process ran
+    c = measure_curve(lambda b, t: noisy[t], batches=(1,), tokens=tuple(noisy), repeats=1)
+    assert [s for _, s in c.points[1]] == [0.002, 0.002, 0.002, 0.002, 0.012]
+
+
+def test_cache_roundtrip_and_key_changes(tmp_path):
+    cache = CostCache(tmp_path)
+    key = cache_key("m", "bfloat16", 1, 1, "0.32.0", "cpu")
+    curve = CostCurve({1: [(1, 0.05), (16, 0.07)]})
+    assert cache.load(key) is None
+    cache.save(key, curve)
+    assert cache.load(key).points == curve.points
+    for change in ({"dtype": "float32"}, {"model": "other"}, {"tensor_parallel": 2},
+                   {"vllm": "0.33.0"}):
+        assert cache.load({**key, **change}) is None
+    assert key["hardware"].get("cpu") or key["hardware"].get("machine")
+
+
+def test_corrupt_or_foreign_cache_is_ignored_with_a_warning(tmp_path, caplog):
+    cache = CostCache(tmp_path)
+    key = cache_key("m", "float32", 1, 1, "0.32.0", "cpu")
+    path = cache.path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    bad = {
+        "garbage": "{not json",
+        "foreign": json.dumps({"version": 1, "key": {**key, "model": "x"},
+                               "curve": {"1": [[1, 0.1]]}}),
+        "old": json.dumps({"version": 0, "key": key, "curve": {"1": [[1, 0.1]]}}),
+        "bad values": json.dumps({"version": 1, "key": key, "curve": {"1": [[1, -3]]}}),
+        "no curve": json.dumps({"version": 1, "key": key}),
+        "a list": json.dumps([1, 2]),
+    }
+    logging.getLogger("vllm.vllm_lookahead").propagate = True
+    for name, text in bad.items():
+        path.write_text(text)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vllm.vllm_lookahead.cost_model"):
+            assert cache.load(key) is None, name
+        assert "ignoring" in caplog.text, name
+    assert load_curve(tmp_path / "missing.json") is None
+
+
+def test_load_probe_sees_another_busy_process():
+    import subprocess
+    import sys
+    import time
+
+    from vllm_lookahead.cost_model import LoadProbe
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # let it start spinning
+        with LoadProbe() as probe:
+            time.sleep(0.5)  # we idle, it spins: about one core of other load
+    finally:
+        busy.kill()
+        busy.wait()
+    assert probe.cores > 0.5

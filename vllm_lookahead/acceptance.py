@@ -1,0 +1,219 @@
+"""Measured acceptance: what a step gains from each kind of draft.
+
+Per request, running estimates of the tokens a step gains from
+
+* an **unchecked draft** (prompt lookup: the continuation of the text's
+  longest earlier-seen suffix, or the pool's guess): the chance ``p`` that
+  each next draft token is accepted (geometric), so a draft of length k gains
+  ``p + p^2 + ... + p^k`` tokens. It is updated from the text itself on
+  every step, whatever ran: the proposer looks the draft up anyway and
+  compares it with the tokens that came out (:meth:`RequestAcceptance.
+  observe_unchecked`), so it never goes stale;
+* a **tree** with ``g`` candidates and the Jacobi window on or off: the
+  candidate tokens the model confirms, ``m``. One tree with G candidates
+  tells what every g <= G would have confirmed (the best of the first g);
+  leaving out the candidates that came from the window tells what the tree
+  would have confirmed without it (:meth:`RequestAcceptance.observe_tree`).
+  A step without a tree learns nothing about trees, so between trees the
+  estimates relax towards the engine's prior (:meth:`relax`): a request
+  whose tree was written off once is tried again only when the engine's
+  experience says trees pay;
+* a **checked draft** (the chain a tree confirmed): per-token acceptance
+  ``p_checked`` (1 with greedy decoding; lower when sampling).
+
+The engine's prior (:class:`AcceptancePrior`) is the running mean over its
+requests; new requests start from it.
+
+Pure Python, no vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+#: Kinds of unchecked lookup, learnt apart: the continuation of a 4-, 3- or
+#: 2-token suffix seen earlier in the text, or the pool's guess for the
+#: newest token alone.
+LOOKUP_KINDS = ("suffix4", "suffix3", "suffix2", "pool")
+
+
+def geometric_gain(p: float, k: int) -> float:
+    """Expected accepted tokens of a k-token draft whose tokens are each
+    accepted with probability ``p`` (given the previous ones were)."""
+    if k <= 0 or p <= 0:
+        return 0.0
+    if p >= 1:
+        return float(k)
+    return p * (1 - p**k) / (1 - p)
+
+
+@dataclass
+class _Rate:
+    """A geometric acceptance rate from (accepted, rejected) counts with
+    exponential forgetting; ``prior`` pseudo-counts at rate ``p0``."""
+
+    hits: float
+    misses: float
+
+    @property
+    def p(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total > 0 else 0.0
+
+    def add(self, hits: int, missed: bool, keep: float) -> None:
+        self.hits = self.hits * keep + hits
+        self.misses = self.misses * keep + (1 if missed else 0)
+
+
+@dataclass
+class AcceptancePrior:
+    """Engine-wide estimates new requests start from, and relax towards.
+
+    Attributes:
+        p_unchecked, p_checked: per-token acceptance of unchecked / checked
+            drafts.
+        tree_cands: ``[g]`` -> confirmed tokens of a tree checking g+1
+            candidates from the text (not from the window).
+        tree_window: confirmed tokens the window's candidates added on top
+            of the others (the window's marginal gain).
+        weight: pseudo-count of the prior in a new request's rates.
+        ema: weight of one request's outcome in the prior.
+    """
+
+    max_cands: int
+    #: per kind of lookup (see :data:`LOOKUP_KINDS`); filled in post-init
+    p_unchecked: dict = None
+    p_checked: float = 0.95
+    tree_cands: list[float] = field(default_factory=list)
+    tree_window: float = 0.3
+    weight: float = 4.0
+    ema: float = 0.02
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.p_unchecked, dict):
+            p = 0.5 if self.p_unchecked is None else float(self.p_unchecked)
+            # a longer matched suffix predicts its continuation better
+            self.p_unchecked = {"suffix4": p, "suffix3": p * 0.9, "suffix2": p * 0.8,
+                                "pool": p * 0.6}
+        if not self.tree_cands:
+            # Before any tree ran: LADE's figures (about one confirmed token
+            # per step with a handful of candidates), rising with g.
+            self.tree_cands = [0.8 * (1 - 0.5 ** (g + 1)) / (1 - 0.5 ** self.max_cands)
+                               for g in range(self.max_cands)]
+
+    def tree_gain(self, g: int, window: bool) -> float:
+        if g <= 0:
+            return self.tree_window if window else 0.0
+        base = self.tree_cands[min(g, self.max_cands) - 1]
+        return base + (self.tree_window if window else 0.0)
+
+    def learn_unchecked(self, kind: str, p: float) -> None:
+        self.p_unchecked[kind] += self.ema * (p - self.p_unchecked[kind])
+
+    def learn_checked(self, p: float) -> None:
+        self.p_checked += self.ema * (p - self.p_checked)
+
+    def learn_tree(self, per_g: list[float], window_extra: float | None) -> None:
+        for g, m in enumerate(per_g[: self.max_cands]):
+            self.tree_cands[g] += self.ema * (m - self.tree_cands[g])
+        if window_extra is not None:
+            self.tree_window += self.ema * (window_extra - self.tree_window)
+
+    def snapshot(self) -> dict:
+        return {
+            "p_unchecked": {k: round(v, 3) for k, v in self.p_unchecked.items()},
+            "p_checked": round(self.p_checked, 3),
+            "tree_confirmed_by_candidates": [round(m, 3) for m in self.tree_cands],
+            "tree_window_extra": round(self.tree_window, 3),
+        }
+
+
+class RequestAcceptance:
+    """One request's acceptance estimates (see the module docstring).
+
+    Args:
+        prior: the engine's :class:`AcceptancePrior` (shared, updated by
+            every request's outcomes).
+        keep: forgetting factor of the request's own counts per update.
+        relax: how far, per step without a tree, the tree estimates move
+            back towards the prior.
+    """
+
+    def __init__(self, prior: AcceptancePrior, keep: float = 0.9, relax: float = 0.05) -> None:
+        self.prior = prior
+        self.keep = keep
+        self.relax_rate = relax
+        w = prior.weight
+        self.unchecked = {k: _Rate(p * w, (1 - p) * w) for k, p in prior.p_unchecked.items()}
+        self.checked = _Rate(prior.p_checked * w, (1 - prior.p_checked) * w)
+        self.tree_cands = list(prior.tree_cands)
+        self.tree_window = prior.tree_window
+
+    # -- what the planner reads ------------------------------------------------
+    def unchecked_gain(self, k: int, kind: str = "suffix4") -> float:
+        return geometric_gain(self.unchecked[kind].p, k)
+
+    def tree_gain(self, g: int, window: bool) -> float:
+        """Expected confirmed tokens of a tree with ``g`` candidates, the
+        window on or off (each confirmed token is drafted, checked, in the
+        next step)."""
+        if g <= 0:
+            base = 0.0
+        else:
+            base = self.tree_cands[min(g, len(self.tree_cands)) - 1]
+        return base + (self.tree_window if window else 0.0)
+
+    # -- what the proposer reports ---------------------------------------------
+    def observe_unchecked(self, draft, produced, kind: str = "suffix4") -> None:
+        """The unchecked draft looked up before a step (``kind`` of lookup:
+        :data:`LOOKUP_KINDS`), and the tokens the step produced (whatever
+        was drafted): each matching token is a hit; a mismatch within what
+        was produced is a miss."""
+        n = min(len(draft), len(produced))
+        if n == 0:
+            return
+        hits = 0
+        while hits < n and draft[hits] == produced[hits]:
+            hits += 1
+        rate = self.unchecked[kind]
+        rate.add(hits, hits < n, self.keep)
+        self.prior.learn_unchecked(kind, rate.p)
+
+    def observe_checked(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        accepted = min(accepted, drafted)
+        self.checked.add(accepted, accepted < drafted, self.keep)
+        self.prior.learn_checked(self.checked.p)
+
+    def observe_tree(self, matches: list[int], from_window: list[bool], window_on: bool) -> None:
+        """A tree ran: ``matches[c]`` tokens of candidate c (in the order
+        the tree checked them) were confirmed; ``from_window[c]``: the
+        candidate came from the Jacobi window."""
+        g_max = len(self.tree_cands)
+        # Candidates from the prompt / text: what the tree confirms without
+        # the window, by how many of them it checks.
+        per_g, best = [], 0
+        for m, win in zip(matches, from_window):
+            if not win:
+                best = max(best, m)
+                per_g.append(best)
+        per_g = (per_g + [best] * g_max)[:g_max]
+        a = 1 - self.keep
+        for g in range(g_max):
+            self.tree_cands[g] += a * (per_g[g] - self.tree_cands[g])
+        extra = None
+        if window_on:
+            extra = max(matches, default=0) - best
+            self.tree_window += a * (extra - self.tree_window)
+        self.prior.learn_tree(per_g, extra)
+
+    def relax(self) -> None:
+        """A step without a tree: tree estimates move towards the prior."""
+        r = self.relax_rate
+        p = self.prior
+        for g in range(len(self.tree_cands)):
+            self.tree_cands[g] += r * (p.tree_cands[min(g, len(p.tree_cands) - 1)]
+                                       - self.tree_cands[g])
+        self.tree_window += r * (p.tree_window - self.tree_window)

@@ -1,0 +1,262 @@
+"""Per-step planner: how each request of the batch runs this step.
+
+For every decoding request the planner picks a *shape*:
+
+* ``off``: no draft, no tree (a vanilla step for that request);
+* ``draft``: a draft of k tokens and no tree -- the chain the last tree
+  checked (if any), else an unchecked guess (prompt lookup / the pool);
+* ``tree``: the lookahead tree with ``w <= W`` window columns and
+  ``g <= G`` candidates (plus, in fused mode, the checked chain as draft).
+
+It maximises the batch's expected generated tokens per second: the tokens
+each shape is expected to yield come from the request's measured acceptance
+(:mod:`.acceptance`), the seconds of the step from the measured cost of a
+step with that many query tokens (:mod:`.cost_model`). The user's N, W, G
+are upper bounds; a shape never pays for itself "to find out": a tree runs
+only where its predicted rate is the best (estimates of a tree a request
+has not run lately drift back to the engine's prior, so trees come back
+when the engine's experience says they pay).
+
+The search is coordinate ascent on ``tokens - lambda * seconds``
+(Dinkelbach), lambda being the plan's current tokens per second: each
+request in turn takes its best shape given the others', for a few sweeps.
+
+Pure Python: unit-tested on synthetic cost curves without an engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_lookahead.acceptance import RequestAcceptance
+from vllm_lookahead.attn_mask import tree_size
+
+#: Steps a tree is expected to keep running once started, before the engine
+#: has seen any (a fused tree that starts without a checked chain pays a
+#: catch-up pass, spread over these); then the measured figure is used.
+TREE_HORIZON = 8
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one request runs one step.
+
+    Attributes:
+        kind: "off", "draft" or "tree".
+        draft: draft tokens handed to the verifier this step (for a fused
+            tree: the checked chain's expected length).
+        window, cands: tree window columns and candidates (0 without tree).
+        nodes: tree query tokens (0 without tree).
+        tokens: expected tokens the step yields for the request.
+        extra_s: seconds of the step outside the shared forward (a catch-up
+            pass's share).
+    """
+
+    kind: str
+    draft: int = 0
+    window: int = 0
+    cands: int = 0
+    nodes: int = 0
+    tokens: float = 1.0
+    extra_s: float = 0.0
+
+    @property
+    def query(self) -> int:
+        """Query tokens of the request in the step's forward."""
+        return 1 + self.draft + self.nodes
+
+    def label(self) -> str:
+        if self.kind == "tree":
+            return f"tree:w{self.window}g{self.cands}"
+        if self.kind == "draft":
+            return f"draft:{self.draft}"
+        return "off"
+
+
+OFF = Shape("off")
+
+
+@dataclass
+class RequestView:
+    """What the planner needs of one decoding request.
+
+    Attributes:
+        acc: the request's acceptance estimates.
+        ngram_size, window_size, guess_set_size: its N, W, G (upper bounds).
+        room: the longest draft vLLM will take (``num_speculative_tokens``,
+            ``max_model_len``).
+        chain: length of the checked chain the last tree left (0: none).
+        unchecked: length of the unchecked draft available now (0: none).
+        lookup_kind: its kind (``acceptance.LOOKUP_KINDS``).
+        trees: whether a tree may run (False: per-request or seeded).
+        fixed: plan this request with exactly this shape (no search).
+    """
+
+    acc: RequestAcceptance
+    ngram_size: int
+    window_size: int
+    guess_set_size: int
+    room: int
+    chain: int = 0
+    unchecked: int = 0
+    lookup_kind: str = "suffix4"
+    trees: bool = True
+    fixed: Shape | None = None
+
+
+def _cand_steps(g_max: int) -> list[int]:
+    """1, 2, 4, ... up to and including ``g_max``."""
+    out, g = [], 1
+    while g < g_max:
+        out.append(g)
+        g *= 2
+    if g_max >= 1:
+        out.append(g_max)
+    return out
+
+
+class Planner:
+    """Chooses every request's :class:`Shape` for a step.
+
+    Args:
+        cost: anything with ``predict(batch, tokens_per_request, tree) ->
+            seconds`` (a :class:`~vllm_lookahead.cost_model.CostModel`).
+        fused: trees ride in the verification forward (else a second pass).
+        sweeps: coordinate-ascent sweeps per step.
+    """
+
+    def __init__(self, cost, fused: bool = True, sweeps: int = 3) -> None:
+        self.cost = cost
+        self.fused = fused
+        self.sweeps = sweeps
+        #: tree steps per catch-up pass (the proposer updates it from its
+        #: counts: tree runs that end soon make a catch-up dearer).
+        self.horizon = float(TREE_HORIZON)
+
+    # -- the shapes of one request ------------------------------------------------
+    def shapes(self, v: RequestView, batch: int) -> list[Shape]:
+        if v.fixed is not None:
+            return [v.fixed]
+        out = [OFF]
+        if v.room <= 0:
+            return out
+        acc = v.acc
+        if v.chain > 0:
+            # The chain the last tree checked is drafted once; the steps
+            # after it draft unchecked guesses: value the policy, not the
+            # one step (a tree's value below is its steady state too).
+            k = min(v.chain, v.room)
+            out.append(Shape("draft", draft=k, tokens=1 + acc.unchecked_gain(k)))
+        elif v.unchecked > 0:
+            for k in range(1, min(v.unchecked, v.room) + 1):
+                out.append(Shape("draft", draft=k,
+                                 tokens=1 + acc.unchecked_gain(k, v.lookup_kind)))
+        if not v.trees:
+            return out
+        n = v.ngram_size
+        windows = [0, v.window_size] if v.window_size > 0 else [0]
+        for w in windows:
+            for g in [0] + _cand_steps(v.guess_set_size):
+                if g == 0 and w == 0:
+                    continue
+                m = min(acc.tree_gain(g, w > 0), n - 1)
+                # Steady state: each step drafts the chain the last tree
+                # confirmed (about m tokens) and checks the next tree.
+                d = min(int(round(m)), v.room)
+                nodes = tree_size(n, w, g)
+                extra = 0.0
+                if self.fused and v.chain <= 0:
+                    # A catch-up pass (a forward over this tree alone)
+                    # before the first fused tree, spread over a run.
+                    extra = self.cost.predict(1, nodes) / max(self.horizon, 1.0)
+                elif not self.fused:
+                    # Separate mode: a second forward every step (its
+                    # tokens are counted in the batch's tokens).
+                    extra = self.cost.predict(1, 1) / max(batch, 1)
+                out.append(Shape("tree", draft=d, window=w, cands=g, nodes=nodes,
+                                 tokens=1 + m * acc.checked.p, extra_s=extra))
+        return out
+
+    # -- the batch ---------------------------------------------------------------
+    def plan(self, views: list[RequestView], max_tree_tokens: int = 0) -> list[Shape]:
+        """One shape per request (in the order of ``views``)."""
+        r_n = len(views)
+        if r_n == 0:
+            return []
+        options = [self.shapes(v, r_n) for v in views]
+        memo: dict[tuple[int, bool], float] = {}
+
+        def seconds(total_query: int, trees: int) -> float:
+            key = (total_query, trees > 0)
+            s = memo.get(key)
+            if s is None:
+                s = memo[key] = self.cost.predict(r_n, total_query / r_n, tree=trees > 0)
+            return s
+
+        pick = [0] * r_n
+        q_tot = sum(o[0].query for o in options)
+        extra = sum(o[0].extra_s for o in options)
+        tok = sum(o[0].tokens for o in options)
+        n_tree = sum(o[0].kind == "tree" for o in options)
+        for _ in range(self.sweeps):
+            lam = tok / (seconds(q_tot, n_tree) + extra)
+            changed = False
+            for r, opts in enumerate(options):
+                if len(opts) == 1:
+                    continue
+                cur = opts[pick[r]]
+                q_base = q_tot - cur.query
+                t_base = n_tree - (cur.kind == "tree")
+                best, best_val = pick[r], None
+                for j, o in enumerate(opts):
+                    sec = seconds(q_base + o.query, t_base + (o.kind == "tree"))
+                    val = o.tokens - lam * (sec + o.extra_s)
+                    if best_val is None or val > best_val + 1e-12:
+                        best, best_val = j, val
+                if best != pick[r]:
+                    new = opts[best]
+                    q_tot += new.query - cur.query
+                    extra += new.extra_s - cur.extra_s
+                    tok += new.tokens - cur.tokens
+                    n_tree += (new.kind == "tree") - (cur.kind == "tree")
+                    pick[r] = best
+                    changed = True
+            if not changed:
+                break
+        chosen = [options[r][pick[r]] for r in range(r_n)]
+        if max_tree_tokens > 0:
+            chosen = self._fit(chosen, options, max_tree_tokens)
+        return chosen
+
+    @staticmethod
+    def _fit(chosen: list[Shape], options: list[list[Shape]], budget: int) -> list[Shape]:
+        """Shrink trees until the step's tree tokens fit ``budget``: the
+        tree that loses the fewest tokens per node removed goes down to the
+        next best smaller shape, until it fits."""
+        chosen = list(chosen)
+        while sum(s.nodes for s in chosen) > budget:
+            best = None
+            for r, s in enumerate(chosen):
+                if s.nodes == 0:
+                    continue
+                smaller = [o for o in options[r] if o.nodes < s.nodes]
+                if not smaller:
+                    smaller = [OFF]
+                alt = max(smaller, key=lambda o: o.tokens)
+                loss = (s.tokens - alt.tokens) / (s.nodes - alt.nodes)
+                if best is None or loss < best[0]:
+                    best = (loss, r, alt)
+            if best is None:
+                break
+            chosen[best[1]] = best[2]
+        return chosen
+
+    def predicted_rate(self, shapes: list[Shape]) -> float:
+        """Expected tokens per second of a step run with ``shapes``."""
+        if not shapes:
+            return 0.0
+        r_n = len(shapes)
+        q = sum(s.query for s in shapes)
+        trees = any(s.kind == "tree" for s in shapes)
+        sec = self.cost.predict(r_n, q / r_n, tree=trees) + sum(s.extra_s for s in shapes)
+        return sum(s.tokens for s in shapes) / sec
