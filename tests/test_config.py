@@ -38,13 +38,15 @@ def _range_text(field):
 def test_defaults_valid():
     cfg = LookaheadConfig()
     assert (cfg.ngram_size, cfg.window_size, cfg.guess_set_size) == (4, 3, 3)
-    assert cfg.disable_batch_size is None  # platform default
+    assert cfg.disable_batch_size is None  # never: the planner decides
     assert cfg.prompt_pool is True
     assert cfg.seed == 0
     assert cfg.max_draft_len == cfg.ngram_size
     assert cfg.mode == "fused"
     assert cfg.adaptive is True
-    assert set(cfg.field_names()) == set(RANGES) | {"prompt_pool", "mode", "adaptive"}
+    assert cfg.cost_model == "auto"
+    assert set(cfg.field_names()) == set(RANGES) | {"prompt_pool", "mode", "adaptive",
+                                                    "cost_model"}
     assert LookaheadConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -101,6 +103,23 @@ def test_bool_fields_must_be_bool(field, value):
     msg = str(ei.value)
     assert field in msg
     assert "true/false" in msg or "bool" in msg
+
+
+@pytest.mark.parametrize("value", ["auto", "measure", "off"])
+def test_cost_model_keywords(value):
+    assert LookaheadConfig(cost_model=value).cost_model == value
+
+
+def test_cost_model_file(tmp_path):
+    path = tmp_path / "curve.json"
+    path.write_text("{}")
+    assert LookaheadConfig(cost_model=str(path)).cost_model == str(path)
+
+
+@pytest.mark.parametrize("value", ["", "fast", str(1), None, 3, "/no/such/file.json"])
+def test_cost_model_bad_values_name_the_field(value):
+    with pytest.raises(LookaheadConfigError, match="cost_model"):
+        LookaheadConfig(cost_model=value)
 
 
 def test_config_error_is_value_error():

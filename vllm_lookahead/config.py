@@ -34,10 +34,6 @@ PASSTHROUGH_KEYS = frozenset(
 )
 
 
-#: ``disable_batch_size`` when left at None, on CPU platforms.
-CPU_DISABLE_BATCH_SIZE = 2
-
-
 class LookaheadConfigError(ValueError):
     """A lookahead setting is invalid. The message names the field."""
 
@@ -71,16 +67,22 @@ class LookaheadConfig:
             then fewer candidates are checked, then no tree is run.
         disable_batch_size: with this many requests decoding or more, the
             step runs without lookahead at all (no tree, no draft): a vanilla
-            step. 0 = never. None (default) = the platform's default:
-            :data:`CPU_DISABLE_BATCH_SIZE` on CPU (measured: on a 2-core CPU a
-            second decoding request already makes the tree tokens cost more
-            than they gain), 0 elsewhere.
-        adaptive: measure, per batch size (rounded down to a power of two),
-            the generated tokens per second of three ways to run a step --
-            the full tree, the pool's unchecked guess alone, no lookahead --
-            and use the fastest, trying the others again now and then (see
-            :mod:`vllm_lookahead.gate`). Outputs never depend on it. False:
-            every step runs the tree (deterministic statistics, for tests).
+            step. 0 or None (default) = never: the planner (``adaptive``)
+            already runs no tree and no draft where they do not pay, from
+            the measured cost of a step on the machine at hand.
+        adaptive: plan every step (see :mod:`vllm_lookahead.planner`): per
+            request, the draft length and the tree shape (including no tree
+            and no draft) that maximise the batch's expected tokens per
+            second, from the measured cost of a step (``cost_model``) and
+            each request's measured acceptance; N, W and G are upper
+            bounds. Outputs never depend on it. False: every step runs the
+            full tree (a fixed shape, for experiments and tests).
+        cost_model: where the step-cost curve the planner uses comes from:
+            ``"auto"`` (cached for this model, dtype, parallel sizes,
+            hardware and vLLM version; measured at start-up, in a few
+            seconds, when there is none), ``"measure"`` (at every start),
+            ``"off"`` (an assumed curve, corrected from the steps seen), or
+            the path of a JSON curve file (see :mod:`.cost_model`).
 
     The defaults (N, W, G) = (4, 3, 3) are the fastest measured on a 2-core
     CPU (bfloat16, SmolLM2-135M, HumanEval and MT-Bench): there every query
@@ -96,6 +98,7 @@ class LookaheadConfig:
     max_tree_tokens: int = 0
     disable_batch_size: int | None = None
     adaptive: bool = True
+    cost_model: str = "auto"
 
     _RANGES = {
         "ngram_size": (2, 16),
@@ -106,6 +109,8 @@ class LookaheadConfig:
         "disable_batch_size": (0, 1 << 20),
     }
     _CHOICES = {"mode": ("fused", "separate")}
+    #: ``cost_model`` keywords; any other value is a file path.
+    COST_MODEL_CHOICES = ("auto", "measure", "off")
     _OPTIONAL = frozenset({"disable_batch_size"})
 
     def __post_init__(self) -> None:
@@ -120,6 +125,9 @@ class LookaheadConfig:
                         f"speculative_config['{f.name}'] must be one of "
                         f"{list(choices)}, got {value!r}"
                     )
+                continue
+            if f.name == "cost_model":
+                self._check_cost_model(value)
                 continue
             if f.type in ("bool", bool):
                 if not isinstance(value, bool):
@@ -144,6 +152,21 @@ class LookaheadConfig:
             raise LookaheadConfigError(
                 "speculative_config['window_size'] = 0 (no Jacobi window) needs "
                 "prompt_pool = true, or nothing would ever be drafted"
+            )
+
+    @classmethod
+    def _check_cost_model(cls, value) -> None:
+        import os
+
+        if not isinstance(value, str) or not value:
+            raise LookaheadConfigError(
+                f"speculative_config['cost_model'] must be one of "
+                f"{list(cls.COST_MODEL_CHOICES)} or a file path, got {value!r}"
+            )
+        if value not in cls.COST_MODEL_CHOICES and not os.path.isfile(value):
+            raise LookaheadConfigError(
+                f"speculative_config['cost_model'] = {value!r} is neither one of "
+                f"{list(cls.COST_MODEL_CHOICES)} nor an existing file"
             )
 
     @property

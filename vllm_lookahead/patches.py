@@ -54,6 +54,11 @@ every other method untouched:
    device ids (vLLM reads them from Ray's
    accelerator table, which has no entry for a custom resource). See
    :mod:`vllm_lookahead.ray_cpu`.
+10. ``Worker.compile_or_warm_up_model`` (and the CPU worker's own): after
+    vLLM's warm-up, when the KV cache exists, our proposer wraps the
+    attention layers and sets up the planner's step-cost model (cached,
+    or measured in a few seconds: :mod:`vllm_lookahead.warmup`), so the
+    first request does not pay for it.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ def apply() -> None:
     _fix_cpu_expand_kernel()
     _patch_request_validation()
     _enable_ray_on_cpu()
+    _patch_warm_up()
     _APPLIED = True
 
 
@@ -160,6 +166,35 @@ def _patch_model_runner() -> None:
     GPUModelRunner._update_states = _update_states
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
     GPUModelRunner._model_forward = _model_forward
+
+
+def _patch_warm_up() -> None:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    classes = [Worker]
+    try:
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        classes.append(CPUWorker)
+    except ImportError:  # not a CPU build
+        pass
+    for cls in classes:
+        orig = cls.__dict__.get("compile_or_warm_up_model")
+        if orig is None:
+            continue
+
+        def compile_or_warm_up_model(self, *args, _orig=orig, **kwargs):
+            result = _orig(self, *args, **kwargs)
+            runner = getattr(self, "model_runner", None)
+            drafter = getattr(runner, "drafter", None)
+            from vllm_lookahead.proposer import LookaheadProposer
+
+            if isinstance(drafter, LookaheadProposer):
+                drafter.warm_up(runner)
+            return result
+
+        functools.update_wrapper(compile_or_warm_up_model, orig)
+        cls.compile_or_warm_up_model = compile_or_warm_up_model
 
 
 def _patch_request_validation() -> None:

@@ -29,11 +29,15 @@ the draft is the best confirmed prefix plus the argmax after it.
 Either way vLLM's rejection sampler verifies the draft exactly: the draft
 only decides how many tokens one step can gain, never which tokens come out.
 
-Load: ``max_tree_tokens`` caps the tree tokens of a step (windows are left out
-first, then candidates); with ``disable_batch_size`` requests decoding or
-more, a step runs with no tree and no draft. Below that, with ``adaptive``,
-a :class:`~vllm_lookahead.gate.PayoffGate` picks each step's arm from
-measured tokens/s: the tree, the pool's guess alone, or nothing.
+Planning (``adaptive``, default): every step a
+:class:`~vllm_lookahead.planner.Planner` picks each request's shape -- no
+draft, a draft of k tokens, or a tree of w <= W columns and g <= G
+candidates -- for the most expected tokens per second, from the step cost
+measured at start-up (:mod:`.warmup`, corrected from the steps seen) and the
+request's measured acceptance (:mod:`.acceptance`). Seeded sampled requests
+are planned from their text alone. ``max_tree_tokens`` caps the tree tokens
+of a step; with ``disable_batch_size`` requests decoding or more, a step
+runs with no tree and no draft.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ from vllm_lookahead.config import (
     RequestSettings,
     request_settings,
 )
-from vllm_lookahead.gate import ARMS, PayoffGate
+from vllm_lookahead.acceptance import AcceptancePrior, RequestAcceptance
+from vllm_lookahead.planner import OFF, Planner, RequestView, Shape
 from vllm_lookahead.state import (
     SOURCE_MODEL,
     SOURCE_PROMPT,
@@ -64,6 +69,7 @@ from vllm_lookahead.state import (
     choose_candidate,
     request_seed,
     suffix_lookup,
+    suffix_match,
 )
 from vllm_lookahead.stats import LookaheadStats
 
@@ -99,8 +105,22 @@ class PlannedTree:
     window: bool
 
 
+@dataclass
+class _Live:
+    """A request decoding this step (proposer-internal)."""
+
+    i: int  # batch index
+    state: RequestState
+    n_tok: int  # tokens of the request (the newest one not cached yet)
+    room: int  # longest draft vLLM takes now
+    chain: list  # fused: the checked chain the tree of this step left ([]: none)
+
+
 class LookaheadProposer:
     """Lookahead decoding drafter (one per worker, on the last PP rank)."""
+
+    #: Steps between two agreements of the cost correction (TP ranks).
+    AGREE_EVERY = 32
 
     def __init__(self, vllm_config) -> None:
         spec = vllm_config.speculative_config
@@ -117,36 +137,34 @@ class LookaheadProposer:
                 cg_mode,
             )
             self.fused = False
-        self.disable_batch_size = self.cfg.disable_batch_size
-        if self.disable_batch_size is None:
-            from vllm.platforms import current_platform
-
-            from vllm_lookahead.config import CPU_DISABLE_BATCH_SIZE
-
-            self.disable_batch_size = CPU_DISABLE_BATCH_SIZE if current_platform.is_cpu() else 0
+        self.disable_batch_size = self.cfg.disable_batch_size or 0
         self.num_spec_tokens = spec.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.states: dict[str, RequestState] = {}
         self.stats = LookaheadStats()
-        self.worker = None  # LookaheadWorker, bound on the first step
+        self.worker = None  # LookaheadWorker, bound at warm-up or on the first step
         #: req id -> tokens scheduled this step (set by on_update_states).
         self._scheduled: dict[str, int] = {}
         self._spec_k: int | None = None
         #: fused: req id -> (PlannedTree, argmax of its appended nodes).
         self._fused_out: dict[str, tuple[PlannedTree, np.ndarray]] = {}
-        #: Pay-off gate (``adaptive``), and the step it chose an arm for last:
-        #: (decoding requests, arm, start time).
-        self.gate = None
-        if self.cfg.adaptive:
-            tp = vllm_config.parallel_config.tensor_parallel_size
-            self.gate = PayoffGate(agree=_rank0_choice if tp > 1 else None)
-        self._last_arm: tuple[int, str, float] | None = None
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        #: rank 0's value on every tensor-parallel rank (None: one rank).
+        self._agree = _rank0_choice if tp > 1 else None
+        #: Planner (``adaptive``); its cost model is set up at warm-up.
+        self.planner: Planner | None = None
+        self.prior = AcceptancePrior(max_cands=self.cfg.guess_set_size)
+        #: The last planned step: (decoding requests, query tokens per
+        #: request, whether it had trees, end of its proposer call), to time it.
+        self._last_step: tuple[int, float, bool, float] | None = None
+        self._calls = 0
         #: Whether the step being run has no new or resumed request.
         self._clean = False
-        off = (f"off from {self.disable_batch_size} decoding requests"
-               if self.disable_batch_size else "on at every batch size")
+        how = "planned per step" if self.cfg.adaptive else "fixed tree"
+        if self.disable_batch_size:
+            how += f", off from {self.disable_batch_size} decoding requests"
         logger.info("Lookahead decoding: %s, draft length %d, %s",
-                    self.cfg, self.num_spec_tokens, off)
+                    self.cfg, self.num_spec_tokens, how)
 
     # -- vLLM's custom proposer interface ---------------------------------
     def load_model(self, model) -> None:
@@ -160,6 +178,20 @@ class LookaheadProposer:
         )
 
     # -- hooks called by vllm_lookahead.patches ---------------------------
+    def warm_up(self, runner) -> None:
+        """After vLLM's warm-up (the KV cache exists): wrap the attention
+        layers and set up the planner's cost model (measured, cached, from
+        a file or assumed: ``cost_model``)."""
+        if self.worker is None:
+            from vllm_lookahead.worker import LookaheadWorker
+
+            self.worker = LookaheadWorker(runner)
+        if self.cfg.adaptive and self.planner is None:
+            from vllm_lookahead.warmup import build_cost_model
+
+            cost = build_cost_model(self.cfg.cost_model, runner, self.worker, self._agree)
+            self.planner = Planner(cost, fused=self.fused)
+
     def on_update_states(self, scheduler_output) -> None:
         """Free finished/aborted requests; forget preempted ones that resume
         (they are rebuilt from their tokens on their next step)."""
@@ -222,14 +254,11 @@ class LookaheadProposer:
     def propose_for_runner(self, runner, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Drafts for every request of the runner's batch (batch order)."""
         t0 = time.perf_counter()
-        if self.worker is None:
-            from vllm_lookahead.worker import LookaheadWorker
-
-            self.worker = LookaheadWorker(runner)
+        if self.worker is None or (self.cfg.adaptive and self.planner is None):
+            self.warm_up(runner)
         batch = runner.input_batch
         num_tokens = batch.num_tokens_no_spec
         token_ids = batch.token_ids_cpu
-        cfg = self.cfg
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         fused_out, self._fused_out = self._fused_out, {}
         spec_k = self.num_spec_tokens
@@ -237,88 +266,158 @@ class LookaheadProposer:
             spec_k = min(spec_k, int(self._spec_k))
 
         # Requests that decode this step, with their state up to date.
-        live = []  # (batch index, state, num tokens, room)
-        num_decoding = step_tokens = 0
+        live: list[_Live] = []
+        num_decoding = 0
         clean = self._clean
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:
                 clean = False  # still prefilling
                 continue
             num_decoding += 1
-            step_tokens += len(sampled)
             req_id = batch.req_ids[i]
             n_tok = int(num_tokens[i])
             state = self.states.get(req_id)
             if state is None:
                 state = self._new_state(runner, req_id, token_ids[i], n_tok)
-            self._account(state, len(sampled), n_tok)
+            self._account(state, sampled, n_tok)
             state.plan = None
             if not state.settings.enabled:
                 continue
+            chain = []
             if self.fused:
                 out = fused_out.get(req_id)
                 if out is not None:
-                    drafts[i] = self._harvest(state, out[0], out[1], sampled)
+                    chain = self._harvest(state, out[0], out[1], sampled)
             room = min(spec_k, self.max_model_len - n_tok - 1)
-            live.append((i, state, n_tok, room))
+            live.append(_Live(i, state, n_tok, room, chain))
+        self._time_last_step(t0, clean, len(live))
 
-        arm = self._choose_arm(t0, num_decoding, step_tokens, clean, bool(live))
-        self.stats.arm_steps[arm] += bool(live)
-        if arm == "off":
-            # No tree, no draft. The prompt pool catches up when lookahead
-            # runs again (it is filled incrementally).
-            for _, state, _, _ in live:
-                state.draft_sources = []
+        if self.disable_batch_size and num_decoding >= self.disable_batch_size:
+            self.stats.steps_off += 1
+            for r in live:
+                r.state.draft_sources, r.state.lookup = [], []
             live = []
-            drafts = [[] for _ in sampled_token_ids]
-        if cfg.prompt_pool:
-            for i, state, n_tok, _ in live:
-                state.add_context_ngrams(token_ids[i], state.settings.ngram_size, n_tok)
-        if arm == "pool":
-            # The checked chain if the last tree gave one, else the pool's guess.
-            for i, state, n_tok, room in live:
-                if not drafts[i] and room > 0:
-                    drafts[i] = self._unchecked(state, token_ids[i], n_tok, room)
-        elif self.fused:
-            # A catch-up pass for requests without a checked chain (first
-            # step, or last tree missed): their next draft is checked again.
-            rescue = [r for r in live if not drafts[r[0]] and r[3] > 0]
+        if self.cfg.prompt_pool:
+            for r in live:
+                r.state.add_context_ngrams(token_ids[r.i], r.state.settings.ngram_size, r.n_tok)
+        trees = self._plan_step(live, drafts, token_ids)
+        if self.fused:
+            # A catch-up pass for tree requests without a checked chain
+            # (first step, or last tree missed): their next draft is checked.
+            rescue = [(r, w, g) for r, w, g in trees if not r.chain and r.room > 0]
             if rescue:
                 self.stats.catch_up_requests += len(rescue)
                 self._separate_pass(rescue, drafts, token_ids, unchecked=False)
-            self._fused_plan(live, drafts, token_ids)
-        else:
-            self._separate_pass(live, drafts, token_ids)
-        for i, state, _, room in live:
-            drafts[i] = drafts[i][: max(room, 0)]
-            state.draft_sources = state.draft_sources[: len(drafts[i])]
-            if drafts[i]:
+                for r, _, _ in rescue:
+                    r.chain = drafts[r.i]
+                    if not r.chain:  # no tree fitted: the unchecked lookup
+                        self._unchecked(r, drafts, r.room)
+            self._fused_plan([t for t in trees if t[0].chain], drafts, token_ids)
+        elif trees:
+            self._separate_pass(trees, drafts, token_ids)
+        for r in live:
+            drafts[r.i] = drafts[r.i][: max(r.room, 0)]
+            r.state.draft_sources = r.state.draft_sources[: len(drafts[r.i])]
+            if drafts[r.i]:
                 self.stats.drafts += 1
-                self.stats.draft_tokens += len(drafts[i])
+                self.stats.draft_tokens += len(drafts[r.i])
         self.stats.live_requests = len(self.states)
-        self.stats.proposer_time_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.stats.proposer_time_s += t1 - t0
+        if self._last_step is not None:
+            self._last_step = (*self._last_step[:3], t1)
         return drafts
 
-    def _choose_arm(self, t0: float, num_decoding: int, step_tokens: int, clean: bool,
-                    any_live: bool) -> str:
-        """How this step runs: "tree", "pool" or "off" (see :mod:`.gate`).
+    # -- planning ------------------------------------------------------------
+    def _plan_step(self, live: list[_Live], drafts, token_ids) -> list:
+        """Each live request's shape this step. Drafts without a tree go
+        into ``drafts``; returns the requests that get a tree, as
+        ``(live, window columns, candidates)``."""
+        self._last_step = None
+        if not live:
+            return []
+        fixed = self.planner is None  # adaptive off: the full tree every step
+        views = []
+        for r in live:
+            state, s = r.state, r.state.settings
+            state.lookup = self._lookup(state, token_ids[r.i], r.n_tok, r.room)
+            if fixed:
+                continue
+            trees = not state.seeded
+            g = 0
+            if trees:
+                # candidates the tree could check: the pool's for its root
+                # (plus, with the prompt pool, perhaps a suffix match)
+                root = (r.chain[min(len(r.chain) - 1, r.room)] if r.chain
+                        else int(token_ids[r.i, r.n_tok - 1]))
+                g = state.pool.count(int(root)) + int(self.cfg.prompt_pool)
+            seeded_shape = None
+            if state.seeded:
+                # Nothing that decides a seeded request's draft may depend on
+                # timing: its text alone (prompt lookup), never a tree.
+                k = min(len(state.lookup), r.room)
+                seeded_shape = Shape("draft", draft=k) if k > 0 else OFF
+            views.append(RequestView(
+                acc=state.acc, ngram_size=s.ngram_size, window_size=s.window_size,
+                guess_set_size=min(g, s.guess_set_size), room=r.room, chain=len(r.chain),
+                unchecked=len(state.lookup), lookup_kind=state.lookup_kind, trees=trees,
+                fixed=seeded_shape))
+        if fixed:
+            shapes = [Shape("tree", window=r.state.settings.window_size,
+                            cands=r.state.settings.guess_set_size) if r.room > 0 else OFF
+                      for r in live]
+        else:
+            st = self.stats
+            if st.catch_up_requests:
+                runs = st.fused_trees + st.pass_requests
+                self.planner.horizon = max(runs / st.catch_up_requests, 1.0)
+            shapes = self.planner.plan(views, self.cfg.max_tree_tokens)
+            q = sum(sh.query for sh in shapes) / len(shapes)
+            self._last_step = (len(live), q, any(sh.kind == "tree" for sh in shapes), 0.0)
+        trees = []
+        for r, shape in zip(live, shapes):
+            arm = {"tree": "tree", "draft": "pool", "off": "off"}[shape.kind]
+            self.stats.arm_steps[arm] += 1
+            if not fixed:
+                label = shape.label()
+                self.stats.shape_steps[label] = self.stats.shape_steps.get(label, 0) + 1
+            state = r.state
+            if shape.kind == "tree":
+                trees.append((r, shape.window, shape.cands))
+                continue
+            state.acc.relax()
+            if shape.kind == "off" or r.room <= 0:
+                drafts[r.i] = []
+                state.draft_sources = []
+            elif r.chain:
+                drafts[r.i] = r.chain  # checked by this step's tree (sources set)
+                state.draft_checked = True
+            else:
+                self._unchecked(r, drafts, shape.draft if not fixed else r.room)
+        return trees
 
-        Books the step that just ran (started at the last call, ``t0`` now)
-        with the gate first, if it was chosen by the gate and had no
-        prefill."""
-        last, self._last_arm = self._last_arm, None
-        if self.gate is not None and last is not None and clean and step_tokens:
-            self.gate.record(last[0], last[1], step_tokens, t0 - last[2])
-        if not any_live:
-            return "off"
-        if self.disable_batch_size and num_decoding >= self.disable_batch_size:
-            self.stats.steps_off += 1
-            return "off"
-        if self.gate is None:
-            return "tree"
-        arm = self.gate.decide(num_decoding)
-        self._last_arm = (num_decoding, arm, t0)
-        return arm
+    def _unchecked(self, r: _Live, drafts, k: int) -> None:
+        """Draft the first ``k`` tokens of the request's unchecked lookup."""
+        state = r.state
+        drafts[r.i] = state.lookup[:k]
+        state.draft_sources = state.lookup_sources[: len(drafts[r.i])]
+        state.draft_checked = False
+        self.stats.unchecked_drafts += bool(drafts[r.i])
+
+    def _time_last_step(self, now: float, clean: bool, num_live: int) -> None:
+        """Book the step that just ran with the cost model (the forward,
+        sampling and scheduling: from the end of the last proposer call to
+        now), and agree on the correction every ``AGREE_EVERY`` calls."""
+        if self.planner is None:
+            return
+        cost = self.planner.cost
+        last = self._last_step
+        if last is not None and clean and last[0] == num_live:
+            cost.observe(last[0], last[1], now - last[3], tree=last[2])
+        self._calls += 1
+        if self._calls % self.AGREE_EVERY == 0:
+            local = cost.local_factors()
+            cost.agreed(self._agree(local) if self._agree is not None else local)
 
     # -- fused mode ----------------------------------------------------------
     def _harvest(self, state: RequestState, plan: PlannedTree, pred: np.ndarray,
@@ -333,37 +432,37 @@ class LookaheadProposer:
             self._jacobi_step(state, plan.layout, plan.expect[-1], pred)
         return self._best_confirmed(state, plan.layout, plan.cands, pred)
 
-    def _fused_plan(self, live, chains, token_ids) -> None:
-        """Turn each request's checked chain into its draft and plan its
-        tree for the next step (``chains[i]`` is replaced by the draft)."""
+    def _fused_plan(self, trees, chains, token_ids) -> None:
+        """Turn each tree request's checked chain into its draft and plan
+        its tree for the next step (``chains[i]`` becomes the draft)."""
         wanted = []
-        for i, state, n_tok, room in live:
-            chain = chains[i]
-            if not chain or room <= 0:
-                # No checked chain (no tree fitted the budget): the pool's
-                # guess, unchecked, and no tree.
-                chains[i] = self._unchecked(state, token_ids[i], n_tok, room) if room > 0 else []
-                continue
+        for r, w, g in trees:
+            i, state, n_tok, room = r.i, r.state, r.n_tok, r.room
+            chain = r.chain
             # All but the chain's last token is the draft; the last (the
             # model's prediction after the draft) roots the tree.
             k = min(len(chain) - 1, room)
             chains[i] = chain[:k]
             state.draft_sources = state.draft_sources[:k]
-            s = state.settings
+            state.draft_checked = True
             text = np.concatenate([token_ids[i, :n_tok], np.asarray(chain[: k + 1], token_ids.dtype)])
-            cands = self._candidates(state, text)
-            wanted.append((s.ngram_size, s.window_size, len(cands), i, state, n_tok + k,
+            cands = self._candidates(state, text)[:g]
+            wanted.append((state.settings.ngram_size, w, len(cands), state, n_tok + k,
                            chain[: k + 1], cands))
+        if not wanted:
+            return
         use_window, cap = fit_budget(
-            [w[:3] for w in wanted], self.cfg.max_tree_tokens, with_root=True
+            [x[:3] for x in wanted], self.cfg.max_tree_tokens, with_root=True
         )
         if not use_window:
             self.stats.steps_window_off += 1
         if cap < 0:
             return
-        for n, w, g, i, state, root_pos, expect, cands in wanted:
+        for n, w, g, state, root_pos, expect, cands in wanted:
             w = w if use_window else 0
             cands = cands[:cap]
+            if w == 0 and not cands:
+                continue
             layout = build_tree(n, w, len(cands))
             if root_pos + int(layout.depth.max()) >= self.max_model_len:
                 continue
@@ -380,39 +479,41 @@ class LookaheadProposer:
             )
 
     # -- separate mode -------------------------------------------------------
-    def _separate_pass(self, live, drafts, token_ids, unchecked: bool = True) -> None:
+    def _separate_pass(self, trees, drafts, token_ids, unchecked: bool = True) -> None:
         """One extra tree-masked forward rooted at each request's newest
         token; ``drafts[i]`` becomes its checked chain (without a tree: the
-        pool's unchecked guess if ``unchecked``, else nothing)."""
+        lookup's unchecked guess if ``unchecked``, else nothing).
+
+        ``trees``: ``(live, window columns, candidates)`` per request."""
         from vllm_lookahead.worker import TreeRequest
 
         wanted = []
-        for i, state, n_tok, room in live:
-            x = int(token_ids[i, n_tok - 1])
-            s = state.settings
-            cands = self._candidates(state, token_ids[i, :n_tok])
-            wanted.append((s.ngram_size, s.window_size, len(cands), x, cands))
+        for r, w, g in trees:
+            x = int(token_ids[r.i, r.n_tok - 1])
+            cands = self._candidates(r.state, token_ids[r.i, : r.n_tok])[:g]
+            wanted.append((r.state.settings.ngram_size, w, len(cands), x, cands))
         use_window, cap = fit_budget(
             [(n, w, g) for n, w, g, _, _ in wanted], self.cfg.max_tree_tokens, with_root=True
         )
         if not use_window:
             self.stats.steps_window_off += 1
-        trees, work = [], []
-        for (i, state, n_tok, room), (n, w, g, x, cands) in zip(live, wanted):
-            if room <= 0:
-                continue
-            if cap < 0:
-                drafts[i] = self._unchecked(state, token_ids[i], n_tok, room) if unchecked else []
+        reqs, work = [], []
+        for (r, _, _), (n, w, g, x, cands) in zip(trees, wanted):
+            i, state = r.i, r.state
+            if r.room <= 0:
                 continue
             w = w if use_window else 0
-            cands = cands[:cap]
-            layout = build_tree(n, w, len(cands))
-            p = n_tok - 1
-            if p + int(layout.depth.max()) >= self.max_model_len:
-                drafts[i] = self._unchecked(state, token_ids[i], n_tok, room) if unchecked else []
+            cands = cands[: max(cap, 0)]
+            p = r.n_tok - 1
+            layout = build_tree(n, w, len(cands)) if cap >= 0 and (w or cands) else None
+            if layout is None or p + int(layout.depth.max()) >= self.max_model_len:
+                if unchecked:
+                    self._unchecked(r, drafts, r.room)
+                else:
+                    drafts[i] = []
                 continue
             toks = fill_tree_tokens(layout, x, state.window.levels, _cand_array(cands, n))
-            trees.append(
+            reqs.append(
                 TreeRequest(
                     tokens=toks,
                     positions=p + layout.depth.astype(np.int64),
@@ -422,16 +523,17 @@ class LookaheadProposer:
                 )
             )
             work.append((i, state, layout, cands, x, w > 0))
-        if not trees:
+        if not reqs:
             return
-        preds = self.worker.run(trees)
+        preds = self.worker.run(reqs)
         self.stats.lookahead_passes += 1
-        self.stats.pass_requests += len(trees)
-        self.stats.lookahead_query_tokens += sum(len(t.tokens) for t in trees)
+        self.stats.pass_requests += len(reqs)
+        self.stats.lookahead_query_tokens += sum(len(t.tokens) for t in reqs)
         for (i, state, layout, cands, x, window), pred in zip(work, preds):
             if window:
                 self._jacobi_step(state, layout, x, pred)
             drafts[i] = self._best_confirmed(state, layout, cands, pred)
+            state.draft_checked = True
 
     # -- shared internals -----------------------------------------------------
     def _candidates(self, state: RequestState, text: np.ndarray) -> list:
@@ -473,6 +575,8 @@ class LookaheadProposer:
                 m += 1
             matches.append(m)
             counts.append(count)
+        state.acc.observe_tree(matches, [src == SOURCE_WINDOW for _, _, src in cands],
+                               layout.window_size > 0)
         best = choose_candidate(matches, counts)
         if best >= 0 and matches[best] > 0:
             m = matches[best]
@@ -486,26 +590,26 @@ class LookaheadProposer:
         state.draft_sources = sources
         return draft
 
-    def _unchecked(self, state: RequestState, tokens: np.ndarray, n_tok: int,
-                   room: int) -> list[int]:
-        """A draft without a check by the model: the continuation of the
-        text's longest earlier-seen suffix (2-4 tokens, prompt pool on), else
-        the pool's most often seen (then newest) continuation of the newest
-        token."""
-        draft = []
+    def _lookup(self, state: RequestState, tokens: np.ndarray, n_tok: int,
+                room: int) -> list[int]:
+        """The unchecked draft of the request's text now (at most ``room``
+        tokens, or N when there is no room, to keep learning its
+        acceptance): the continuation of the text's longest earlier-seen
+        suffix (2-4 tokens, prompt pool on), else the pool's most often seen
+        (then newest) continuation of the newest token. Sets
+        ``state.lookup_sources``."""
+        k = room if room > 0 else state.settings.ngram_size
+        draft, source, matched = [], SOURCE_PROMPT, 0
         if self.cfg.prompt_pool:
-            draft = suffix_lookup(tokens, n_tok, min(room, state.settings.ngram_size))
-            state.draft_sources = [SOURCE_PROMPT] * len(draft)
+            draft, matched = suffix_match(tokens, n_tok, min(k, state.settings.ngram_size))
+        state.lookup_kind = f"suffix{matched}" if draft else "pool"
         if not draft:
             cands = state.pool.get(int(tokens[n_tok - 1]))[: state.settings.guess_set_size]
             best = choose_candidate([0] * len(cands), [c for _, c, _ in cands])
-            if best < 0:
-                state.draft_sources = []
-                return []
-            cont, _, source = cands[best]
-            draft = list(cont)
-            state.draft_sources = [source] * len(draft)
-        self.stats.unchecked_drafts += 1
+            if best >= 0:
+                cont, _, source = cands[best]
+                draft = list(cont)[:k]
+        state.lookup_sources = [source] * len(draft)
         return draft
 
     def _new_state(self, runner, req_id: str, tokens: np.ndarray, n_tok: int) -> RequestState:
@@ -528,16 +632,21 @@ class LookaheadProposer:
             num_prompt_tokens=n_prompt,
             max_tokens=getattr(params, "max_tokens", None),
             settings=settings,
+            acc=RequestAcceptance(self.prior),
+            seeded=_seeded_sampling(params),
         )
         self.states[req_id] = state
         return state
 
-    def _account(self, state: RequestState, num_sampled: int, num_tokens: int) -> None:
-        """Book last step's draft outcome: ``num_sampled - 1`` draft tokens
-        were accepted (the last sampled token is the verifier's own). Tokens
-        past ``max_tokens`` (which vLLM's scheduler drops) are not counted as
-        generated; tokens past a stop string or EOS in the final step are."""
+    def _account(self, state: RequestState, sampled: list[int], num_tokens: int) -> None:
+        """Book last step's draft outcome: ``len(sampled) - 1`` draft tokens
+        were accepted (the last sampled token is the verifier's own), and
+        learn the acceptance of checked drafts and of the unchecked lookup
+        (from the text, whatever was drafted). Tokens past ``max_tokens``
+        (which vLLM's scheduler drops) are not counted as generated; tokens
+        past a stop string or EOS in the final step are."""
         st = self.stats
+        num_sampled = len(sampled)
         st.decode_steps += 1
         useful = num_sampled
         if state.max_tokens is not None:
@@ -548,7 +657,11 @@ class LookaheadProposer:
         st.accepted_tokens += accepted
         for src in state.draft_sources[:accepted]:
             st.accepted_by_source[src] += 1
-        state.draft_sources = []
+        if state.draft_checked and state.draft_sources:
+            state.acc.observe_checked(len(state.draft_sources), accepted)
+        if state.lookup:
+            state.acc.observe_unchecked(state.lookup, sampled, state.lookup_kind)
+        state.draft_sources, state.lookup, state.draft_checked = [], [], False
 
     def get_stats(self) -> dict:
         self.stats.live_requests = len(self.states)
@@ -557,16 +670,26 @@ class LookaheadProposer:
         d["config"] = self.cfg.to_dict()
         d["mode"] = "fused" if self.fused else "separate"
         d["disable_batch_size"] = self.disable_batch_size
-        d["gate"] = self.gate.snapshot() if self.gate is not None else None
+        d["cost_model"] = self.planner.cost.snapshot() if self.planner is not None else None
+        d["acceptance_prior"] = self.prior.snapshot()
         return d
 
 
-def _rank0_choice(arm: str) -> str:
-    """Tensor rank 0's arm, on every rank (the gate's ``agree`` hook)."""
+def _rank0_choice(obj):
+    """Tensor rank 0's ``obj`` on every rank (cost curve, measuring wishes,
+    cost corrections: tensor-parallel ranks must plan alike)."""
     from vllm.distributed.parallel_state import get_tp_group
 
     group = get_tp_group()
-    return group.broadcast_object(arm, src=0)
+    return group.broadcast_object(obj, src=0)
+
+
+def _seeded_sampling(params) -> bool:
+    """A sampled request with its own seed: vLLM gives it the same tokens
+    at every run, so nothing that decides its drafts may depend on timing."""
+    if params is None or getattr(params, "seed", None) is None:
+        return False
+    return float(getattr(params, "temperature", 0.0) or 0.0) >= 1e-5
 
 
 def _cand_array(cands, ngram_size: int) -> np.ndarray:

@@ -59,6 +59,11 @@ class NGramPool:
             return []
         return [(c, e[0], e[1]) for c, e in reversed(entries.items())]
 
+    def count(self, key: int) -> int:
+        """Number of continuations of ``key``."""
+        entries = self._d.get(key)
+        return len(entries) if entries else 0
+
     def __len__(self) -> int:
         """Number of stored continuations (all keys)."""
         return sum(len(e) for e in self._d.values())
@@ -159,6 +164,17 @@ class RequestState:
     settings: object = None
     #: Fused mode: the tree planned for the request's next step.
     plan: object = None
+    #: Whether the last draft was checked by a tree (else unchecked).
+    draft_checked: bool = False
+    #: The unchecked draft looked up for the last step (whatever ran), to
+    #: learn its acceptance from the text that came.
+    lookup: list = field(default_factory=list)
+    lookup_sources: list = field(default_factory=list)
+    lookup_kind: str = "pool"
+    #: Acceptance estimates (``acceptance.RequestAcceptance``).
+    acc: object = None
+    #: A sampled request with a seed: planned from its text alone.
+    seeded: bool = False
 
     def add_context_ngrams(self, tokens: np.ndarray, n: int, upto: int) -> None:
         """Add every n-gram of ``tokens[:upto]`` not added yet (prompt pool)."""
@@ -172,6 +188,12 @@ class RequestState:
 
 def suffix_lookup(tokens: np.ndarray, n: int, k: int, min_len: int = 2,
                   max_len: int = 4) -> list[int]:
+    """The continuation of :func:`suffix_match` alone."""
+    return suffix_match(tokens, n, k, min_len, max_len)[0]
+
+
+def suffix_match(tokens: np.ndarray, n: int, k: int, min_len: int = 2,
+                 max_len: int = 4) -> tuple[list[int], int]:
     """Prompt lookup with a multi-token key: the ``k`` tokens that followed
     the most recent earlier occurrence of the longest suffix of
     ``tokens[:n]`` (``max_len`` down to ``min_len`` tokens long), or ``[]``.
@@ -185,9 +207,12 @@ def suffix_lookup(tokens: np.ndarray, n: int, k: int, min_len: int = 2,
         tokens: int array, at least ``n`` long (the request's tokens).
         n: number of valid tokens.
         k: longest continuation returned.
+
+    Returns:
+        (continuation, length of the matched suffix); ``([], 0)`` for none.
     """
     if k <= 0:
-        return []
+        return [], 0
     t = np.asarray(tokens[:n])
     for m in range(min(max_len, n - 1), min_len - 1, -1):
         suffix = t[n - m:]
@@ -200,8 +225,8 @@ def suffix_lookup(tokens: np.ndarray, n: int, k: int, min_len: int = 2,
             idx = idx[t[idx + j] == suffix[j]]
         if idx.size:
             start = int(idx[-1]) + m
-            return t[start : start + k].tolist()
-    return []
+            return t[start : start + k].tolist(), m
+    return [], 0
 
 
 def choose_candidate(

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from vllm_lookahead.gate import ARMS
 from vllm_lookahead.state import SOURCES
+
+#: How a request ran a step: a tree, a draft without tree, neither.
+ARMS = ("tree", "pool", "off")
 
 
 @dataclass
@@ -50,9 +52,11 @@ class LookaheadStats:
             or a fused-mode catch-up pass).
         catch_up_requests: fused mode: requests that needed a catch-up pass
             (their first step, or their last tree missed).
-        arm_steps: engine steps with lookahead requests decoding, by how
-            they ran: "tree", "pool" (the pool's guess, no tree) or "off"
-            (chosen by the pay-off gate, or ``disable_batch_size``).
+        arm_steps: request-steps by how the request ran: "tree", "pool"
+            (a draft without tree: the last tree's checked chain or the
+            unchecked lookup) or "off" (no draft).
+        shape_steps: request-steps by the shape the planner chose
+            (``"off"``, ``"draft:K"``, ``"tree:wWgG"``; planner only).
     """
 
     decode_steps: int = 0
@@ -77,6 +81,7 @@ class LookaheadStats:
     pass_requests: int = 0
     catch_up_requests: int = 0
     arm_steps: dict[str, int] = field(default_factory=lambda: {a: 0 for a in ARMS})
+    shape_steps: dict[str, int] = field(default_factory=dict)
 
     @property
     def step_compression(self) -> float:
