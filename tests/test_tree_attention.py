@@ -400,8 +400,9 @@ def test_tree_attention_keeps_query_dtype():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("sizes", ["mixed", "uniform"])
 @pytest.mark.parametrize("window", [-1, 40])
-def test_batched_tree_attention_equals_per_request(window):
+def test_batched_tree_attention_equals_per_request(window, sizes):
     from types import SimpleNamespace
 
     from vllm_lookahead.worker import TreeAttentionImpl, TreeAttnMetadata
@@ -411,6 +412,8 @@ def test_batched_tree_attention_equals_per_request(window):
     cache = torch.zeros(12, kvh, bs, 2 * hd)
     layout = probe_block_layout(bs, kvh, hd, torch.float32, _vllm_writer("vec"))
     reqs = [(37, [3, 0, 9], (4, 3, 2)), (5, [7], (3, 2, 0)), (60, [1, 4, 8, 11], (2, 4, 3))]
+    if sizes == "uniform":  # same tree everywhere: the unpadded path
+        reqs = [(length, blk, (4, 3, 2)) for length, blk, _ in reqs]
     offset = 5  # fused: tree rows follow vLLM's own rows
     starts, ends, lens, masks, pos, blocks = [], [], [], [], [], []
     row = offset
@@ -439,6 +442,7 @@ def test_batched_tree_attention_equals_per_request(window):
 
     inner = SimpleNamespace(scale=0.3, logits_soft_cap=0, sliding_window=window)
     impl = TreeAttentionImpl(inner, "layer", 0, layout, owner=None)
+    assert meta().uniform == (sizes == "uniform")
     batched = torch.full((total, h, hd), 7.0)
     impl._tree(meta(), query, key, value, cache, batched)
     single = torch.full((total, h, hd), 7.0)

@@ -17,6 +17,7 @@ Outside those, the wrapper hands every call to the original impl untouched.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +76,30 @@ class TreeAttnMetadata:
     allowed: dict = None
     #: (group, layout, window) -> padded batch layout (see ``padded``).
     pads: dict = None
+    #: (group, layout, window, dtype) -> additive float mask (0 / -inf).
+    fmasks: dict = None
+
+    @functools.cached_property
+    def uniform(self) -> bool:
+        """Every request's tree has the same size: the tree rows (contiguous
+        from ``offset``) view as ``[R, T, ...]`` with no padding. Computed
+        once per step, read by every layer."""
+        sizes = {e - s for s, e in zip(self.starts, self.ends)}
+        return len(sizes) == 1
+
+    def float_mask(self, group: int, layout: BlockLayout, num_kv_heads: int, window: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """``padded``'s mask as an additive float mask in ``dtype``, built
+        once per step (SDPA would convert a bool mask in every layer)."""
+        if self.fmasks is None:
+            self.fmasks = {}
+        key = (group, id(layout), window, dtype)
+        fm = self.fmasks.get(key)
+        if fm is None:
+            mask = self.padded(group, layout, num_kv_heads, window)[4]
+            fm = self.fmasks[key] = torch.zeros(mask.shape, dtype=dtype).masked_fill_(
+                ~mask, float("-inf"))
+        return fm
 
     def attention_mask(self, r: int, window: int) -> torch.Tensor:
         if self.allowed is None:
@@ -175,26 +200,36 @@ class TreeAttentionImpl:
     def _tree(self, m: "TreeAttnMetadata", query, key, value, kv_cache, output):
         if self._softcap:
             return self._tree_per_request(m, query, key, value, kv_cache, output)
-        # All requests in one SDPA call, padded to the longest context/tree.
+        # All requests in one SDPA call, padded to the longest context; the
+        # index, the mask and the row layout are built once per step.
         kvh = kv_cache.shape[1]
-        idx, (r_n, l_max, t_max), rows, slots, mask = m.padded(
+        idx, (r_n, l_max, t_max), rows, slots, _ = m.padded(
             self._group, self._layout, kvh, self._window
         )
         h, d = query.shape[1], query.shape[2]
         ctx = kv_cache.view(-1).index_select(0, idx).view(2, r_n, kvh, l_max, d)
-        q = query.new_zeros((r_n * t_max, h, d))
-        k = key.new_zeros((r_n * t_max, kvh, d))
-        v = value.new_zeros((r_n * t_max, kvh, d))
-        q[slots] = query[rows]
-        k[slots] = key[rows]
-        v[slots] = value[rows]
-        k = torch.cat([ctx[0], k.view(r_n, t_max, kvh, d).transpose(1, 2).to(ctx.dtype)], dim=2)
-        v = torch.cat([ctx[1], v.view(r_n, t_max, kvh, d).transpose(1, 2).to(ctx.dtype)], dim=2)
-        q = q.view(r_n, t_max, h, d).transpose(1, 2).to(ctx.dtype)
+        if m.uniform:  # no padding: views of the tree rows
+            s, e = m.offset, m.offset + r_n * t_max
+            q, k, v = query[s:e], key[s:e], value[s:e]
+        else:
+            q = query.new_zeros((r_n * t_max, h, d))
+            k = key.new_zeros((r_n * t_max, kvh, d))
+            v = value.new_zeros((r_n * t_max, kvh, d))
+            q[slots] = query[rows]
+            k[slots] = key[rows]
+            v[slots] = value[rows]
+        dt = ctx.dtype
+        k = torch.cat([ctx[0], k.view(r_n, t_max, kvh, d).transpose(1, 2).to(dt)], dim=2)
+        v = torch.cat([ctx[1], v.view(r_n, t_max, kvh, d).transpose(1, 2).to(dt)], dim=2)
+        q = q.view(r_n, t_max, h, d).transpose(1, 2).to(dt)
+        mask = m.float_mask(self._group, self._layout, kvh, self._window, dt)
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self._inner.scale, enable_gqa=h != kvh
-        )  # [R, H, T_max, D]
-        output[rows] = out.transpose(1, 2).reshape(r_n * t_max, h, d)[slots].to(output.dtype)
+        ).transpose(1, 2)  # [R, T_max, H, D]
+        if m.uniform:
+            output[s:e].view(r_n, t_max, h, d).copy_(out)
+        else:
+            output[rows] = out.reshape(r_n * t_max, h, d)[slots].to(output.dtype)
         return output
 
     def _tree_per_request(self, m: "TreeAttnMetadata", query, key, value, kv_cache, output):
