@@ -33,7 +33,7 @@ def test_engine_args_accept_lookahead(tiny_model_path):
     assert cfg.additional_config["lookahead"] == {
         "ngram_size": 3, "window_size": 2, "guess_set_size": 1, "prompt_pool": True, "seed": 0,
         "mode": "fused", "max_tree_tokens": 0, "disable_batch_size": None,
-        "adaptive": True,
+        "adaptive": True, "cost_model": "auto",
     }
     assert args.speculative_config == spec  # the user's dict is left as given
 
@@ -57,6 +57,8 @@ def test_defaults_are_documented_values(tiny_model_path):
         ({"num_speculative_tokens": 9, "ngram_size": 4}, "num_speculative_tokens"),
         ({"bogus": 1}, "bogus"),
         ({"prompt_lookup_max": 3}, "prompt_lookup_max"),
+        ({"cost_model": "/no/such/curve.json"}, "cost_model"),
+        ({"cost_model": 3}, "cost_model"),
     ],
 )
 def test_bad_settings_fail_at_start_naming_the_field(spec, field, tiny_model_path):
@@ -80,19 +82,22 @@ def test_llm_runs_lookahead_on_tiny_model(tiny_model_path):
                                                     ignore_eos=True), use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 32
         st = proposer(llm).get_stats()
-        assert st["lookahead_passes"] > 0 and st["config"]["ngram_size"] == 3
-        assert st["fused_steps"] > 0 and st["mode"] == "fused"
-        # The pay-off gate (on by default) tried all three ways within 32 steps.
-        assert all(st["arm_steps"][a] > 0 for a in ("tree", "pool", "off")), st["arm_steps"]
-        # CPU default: lookahead off once 2 requests decode together.
-        from vllm_lookahead.config import CPU_DISABLE_BATCH_SIZE
-
-        assert st["disable_batch_size"] == CPU_DISABLE_BATCH_SIZE == 2
-        assert st["steps_off"] == 0
+        assert st["config"]["ngram_size"] == 3 and st["mode"] == "fused"
+        # Whether trees run is the planner's call on this machine's measured
+        # cost (the fixed-shape tests cover the tree itself).
+        # The planner (on by default) planned every request-step, with a
+        # step-cost curve measured at start-up or reused from the cache.
+        assert sum(st["shape_steps"].values()) == sum(st["arm_steps"].values()) > 0
+        # "measured-under-load": other processes kept the CPU busy while it
+        # was timed (CI runners do), so it was used but not cached.
+        assert st["cost_model"]["source"] in ("measured", "measured-under-load", "cached")
+        assert st["cost_model"]["curve_ms"]["1"][0][0] == 1
+        # No hard-coded batch-size cutoff any more: the planner decides.
+        assert st["disable_batch_size"] == 0
         prompts = [TokensPrompt(prompt_token_ids=list(range(10 + i, 40))) for i in range(3)]
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                      use_tqdm=False)
-        assert proposer(llm).get_stats()["steps_off"] > 0
+        assert proposer(llm).get_stats()["steps_off"] == 0
 
 
 def test_pipeline_parallel_fails_at_start_with_a_clear_message(tiny_model_path):

@@ -7,7 +7,7 @@ A tiny random Llama (4 heads, 2 KV heads: SmolLM2's 9 heads do not split in
 two) on repetitive token-id prompts. Greedy outputs must be identical; every
 rank must compute the same drafts and run the same arm at every step (the
 tree rows take part in the model's all-reduces, so a disagreement would hang
-or corrupt the step), including the pay-off gate's timing-driven choices,
+or corrupt the step), including the planner's timing-driven choices,
 which rank 0 broadcasts. Each engine runs in its own process
 (``tests/distributed_run.py``): both executors start worker processes.
 """
@@ -69,8 +69,22 @@ def vanilla_tp1(tiny_model_path, tmp_path_factory):
 @pytest.mark.parametrize("backend,mode", [("mp", "fused"), ("mp", "separate"), ("ray", "fused"),
                                           ("ray-v1", "fused")])
 def test_tp2_lookahead_equals_tp1_vanilla(tiny_model_path, tmp_path, vanilla_tp1, backend, mode):
-    # Lookahead on at every batch size; the pay-off gate on (the default).
-    spec = {"method": "lookahead", "mode": mode, "disable_batch_size": 0}
+    # The planner on (the default). One case measures the step cost at
+    # start-up (every rank must run the same measuring forwards and use rank
+    # 0's curve); the Ray cases read a flat curve (tokens free: fused trees
+    # run). Separate mode runs the fixed shape, a tree pass every step: its
+    # second forward is never free, so the planner rightly skips it on the
+    # tiny random model.
+    spec = {"method": "lookahead", "mode": mode}
+    if (backend, mode) == ("mp", "fused"):
+        spec["cost_model"] = "measure"
+    elif mode == "separate":
+        spec["adaptive"] = False
+    else:
+        spec["cost_model"] = str(tmp_path / "flat.json")
+        Path(spec["cost_model"]).write_text(
+            json.dumps({"version": 1, "curve": {"1": [[1, 0.05], [64, 0.05]]}}))
+    cost = spec.get("cost_model")
     la, log = _run(tiny_model_path, spec, 2, backend, tmp_path)
     assert la["one"] == vanilla_tp1["one"]
     assert la["batch"] == vanilla_tp1["batch"]
@@ -79,10 +93,14 @@ def test_tp2_lookahead_equals_tp1_vanilla(tiny_model_path, tmp_path, vanilla_tp1
     ranks = la["ranks"]
     assert len(ranks) == 2
     same = ("decode_steps", "drafts", "draft_tokens", "accepted_tokens", "arm_steps",
-            "lookahead_passes", "fused_steps", "lookahead_query_tokens", "accepted_by_source")
+            "shape_steps", "lookahead_passes", "fused_steps", "lookahead_query_tokens",
+            "accepted_by_source", "cost_model")
     assert {k: ranks[0][k] for k in same} == {k: ranks[1][k] for k in same}
     assert ranks[0]["accepted_tokens"] > 0
-    assert ranks[0]["arm_steps"]["tree"] > 0
+    if cost == "measure":
+        assert ranks[0]["cost_model"]["source"] == "measured"
+    else:
+        assert ranks[0]["arm_steps"]["tree"] > 0
     assert all(r["live_requests"] == 0 for r in ranks)
     if backend in RAY_EXECUTORS:
         # The workers were Ray actors of our CPU worker class.

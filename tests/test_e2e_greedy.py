@@ -1,8 +1,10 @@
 """Greedy lookahead output equals vanilla vLLM, token for token (float32,
-SmolLM2-135M-Instruct, 20 HumanEval + 20 MT-Bench prompts, 128 new tokens),
-at batch size 1 and with all prompts submitted together, in both modes
-(fused: one forward per step; separate: an extra lookahead pass); and the
-Jacobi window pays for itself."""
+SmolLM2-135M-Instruct, 128 new tokens): all 20 HumanEval + 20 MT-Bench
+prompts submitted together, and 5 + 5 of them one request at a time (batch
+size 1 runs a request's tree alone, the unpadded tree-attention path; 10
+prompts check it at a quarter of the time 40 took), in both modes (fused:
+one forward per step; separate: an extra lookahead pass); and the Jacobi
+window pays for itself."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ pytestmark = pytest.mark.e2e
 N_HUMANEVAL = 20
 N_MTBENCH = 20
 MAX_TOKENS = 128
+#: Prompts also run one request at a time: the first 5 of each set.
+SINGLE = list(range(5)) + list(range(N_HUMANEVAL, N_HUMANEVAL + 5))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +64,7 @@ def lookahead_runs(request, smollm2_path, prompts, greedy, vanilla):
         flush(llm)
         stats_batched = proposer(llm).get_stats()
         assert stats_batched["live_requests"] == 0
-        single = generate_ids(llm, prompts, greedy, batch=False)
+        single = generate_ids(llm, [prompts[i] for i in SINGLE], greedy, batch=False)
         flush(llm)
         stats_all = proposer(llm).get_stats()
         metrics = {m.name: m for m in llm.get_metrics()}
@@ -88,7 +92,7 @@ def test_greedy_batched_equals_vanilla(lookahead_runs, vanilla):
 
 
 def test_greedy_batch_size_1_equals_vanilla(lookahead_runs, vanilla):
-    _assert_same(lookahead_runs["single"], vanilla)
+    _assert_same(lookahead_runs["single"], [vanilla[i] for i in SINGLE])
 
 
 def test_lookahead_drafts_are_accepted(lookahead_runs):
@@ -101,7 +105,7 @@ def test_lookahead_drafts_are_accepted(lookahead_runs):
         # One forward per step: catch-up passes only for a request's first
         # step (greedy float32 never misses a planned tree).
         assert st["fused_trees"] > 0 and st["trees_dropped"] == 0, st
-        assert st["catch_up_requests"] <= 2 * (N_HUMANEVAL + N_MTBENCH), st
+        assert st["catch_up_requests"] <= N_HUMANEVAL + N_MTBENCH + len(SINGLE), st
         assert st["tokens_per_forward"] > MIN_STEP_COMPRESSION["fused"] - 0.05, st
     else:
         assert st["lookahead_passes"] > 0 and st["fused_trees"] == 0, st
