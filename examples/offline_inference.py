@@ -20,12 +20,12 @@ from vllm_lookahead.assets import load_mtbench, prepare_smollm2
 
 LOOKAHEAD = {
     "method": "lookahead",
+    # Upper bounds: each step, per request, the planner picks the draft
+    # length and tree shape that pay most on this machine (measured at
+    # start-up; no tree, or no draft at all, where they do not pay).
     "ngram_size": 4,  # N: n-gram length (draft up to N tokens per step)
     "window_size": 3,  # W: parallel Jacobi trajectories
     "guess_set_size": 3,  # G: candidate n-grams checked per step
-    # On CPU lookahead switches itself off while 2+ requests decode together
-    # ("disable_batch_size", default 2 there): there it costs more than it
-    # gains. This example asks one question at a time.
 }
 
 
@@ -65,6 +65,11 @@ def main() -> None:
           f" ({stats['acceptance_rate']:.1%} of draft tokens)")
     for source, count in stats["accepted_by_source"].items():
         print(f"    from {source:<8}: {count}")
+    shapes = sorted(stats["shape_steps"].items(), key=lambda kv: -kv[1])
+    print("  planner shapes         : " + ", ".join(f"{k} x{v}" for k, v in shapes[:5]))
+    curve = stats["cost_model"]["curve_ms"]["1"]
+    print(f"  measured step cost     : {curve[0][1]:.1f} ms for 1 token, "
+          f"{curve[-1][1]:.1f} ms for {curve[-1][0]} ({stats['cost_model']['source']})")
 
 
 if __name__ == "__main__":

@@ -29,4 +29,5 @@ then
 fi
 
 export VLLM_ENABLE_V1_MULTIPROCESSING=0
+source scripts/cpu_env.sh   # vLLM's CPU setup: tcmalloc + Intel OpenMP preloaded
 exec "$VENV/bin/python" benchmarks/bench.py "$@"

@@ -5,4 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m vllm_lookahead.demo "$@"
+VENV=${VLLM_LOOKAHEAD_VENV:-.venv}
+source scripts/cpu_env.sh   # vLLM's CPU setup: tcmalloc + Intel OpenMP preloaded
+exec "$VENV/bin/python" -m vllm_lookahead.demo "$@"

