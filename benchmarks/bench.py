@@ -62,6 +62,8 @@ _LA_FLAGS = {
     "adaptive": ("adaptive", True),
 }
 ARMS = ("tree", "pool", "off")
+# CPU features that decide what a query token costs (recorded with results).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
 # vLLM metric names read around every timed section.
 M_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
@@ -129,8 +131,8 @@ def parse_method(text: str) -> Method:
                                           max|prompt_lookup_max, min|prompt_lookup_min,
                                           or any other SpeculativeConfig key
         la[:N[,W[,G]]][,flag...][,key=value...]     (also ``lookahead:...``)
-            flags: nopool | pool | separate | fused | fixed (no pay-off
-                   gate: the tree every step) | adaptive
+            flags: nopool | pool | separate | fused | fixed (no planner:
+                   the full tree every step) | adaptive
             key=value: any lookahead key, passed through unchecked
                        (e.g. mode=separate, max_tree_tokens=64)
 
@@ -297,6 +299,13 @@ def section_figures(raw: dict[str, Any]) -> dict[str, Any]:
             n_arm = sum(v for v in by_arm.values() if v is not None)
             if n_arm and all(v is not None for v in by_arm.values()):
                 fig["arm_share"] = {a: by_arm[a] / n_arm for a in ARMS}
+        shapes_b, shapes_a = la_b.get("shape_steps") or {}, la_a.get("shape_steps") or {}
+        if isinstance(shapes_a, dict):
+            shapes = {k: v - shapes_b.get(k, 0) for k, v in shapes_a.items()}
+            fig["planner_shapes"] = {k: v for k, v in sorted(shapes.items(), key=lambda kv: -kv[1])
+                                     if v > 0}
+        if la_a.get("cost_model"):
+            fig["cost_model"] = la_a["cost_model"]
         p_time = _delta(la_a, la_b, "proposer_time_s")
         if p_time is not None and engine_steps:
             proposer_ms = 1000.0 * p_time / engine_steps
@@ -574,10 +583,21 @@ def machine_info(argv: Sequence[str]) -> dict[str, Any]:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         usable = None
+    flags: list[str] = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                flags = [f for f in CPU_FLAGS if f in have]
+                break
+    except OSError:
+        pass
     info: dict[str, Any] = {
         "date": _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds"),
         "command": " ".join(shlex.quote(a) for a in argv),
         "cpu": cpu,
+        "cpu_flags": flags,
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "cpus": os.cpu_count(),
         "cpus_usable": usable,
         "memory_gb": mem_gb,
@@ -640,20 +660,9 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def machine_busy_s() -> float | None:
-    """CPU seconds all processes have spent busy since boot (/proc/stat), or
-    None where that file is missing."""
-    try:
-        with open("/proc/stat", encoding="ascii") as stream:
-            fields = stream.readline().split()
-    except OSError:
-        return None
-    if not fields or fields[0] != "cpu":
-        return None
-    # user nice system idle iowait irq softirq steal ...: busy = all but idle/iowait
-    values = [int(v) for v in fields[1:9]]
-    busy = sum(values) - values[3] - values[4]
-    return busy / os.sysconf("SC_CLK_TCK")
+# CPU seconds all processes have spent busy (/proc/stat): the same figure the
+# plugin's cost measurement checks other load with.
+from vllm_lookahead.cost_model import machine_busy_s  # noqa: E402
 
 
 def other_load_now(seconds: float = 1.0) -> float | None:
