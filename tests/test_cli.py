@@ -34,6 +34,14 @@ def test_cli_lists_vllms_subcommands():
     assert "--speculative-config" in out.stdout
 
 
+def test_cli_help_names_the_lookahead_spellings():
+    out = subprocess.run([*cli_command(), "serve", "--help=speculative-model"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--spec-model SPEC_MODEL, --speculative-model SPEC_MODEL" in out.stdout, out.stdout
+    assert '"[lookahead]" selects lookahead decoding' in " ".join(out.stdout.split()), out.stdout
+
+
 def test_distribution_fix_answers_for_vllm_only():
     from vllm_lookahead.patches import fix_vllm_distribution_name
 

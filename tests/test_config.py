@@ -14,6 +14,7 @@ from vllm_lookahead.config import (
     LookaheadConfigError,
     RequestSettings,
     is_lookahead,
+    merge_spec_flags,
     request_settings,
     split_speculative_config,
 )
@@ -156,6 +157,43 @@ def test_is_lookahead():
     assert not is_lookahead({})
     assert not is_lookahead(None)
     assert not is_lookahead("lookahead")
+    # The spellings that select ngram in vLLM 0.32, for lookahead.
+    assert is_lookahead({"method": "[lookahead]"})
+    assert is_lookahead({"model": "[lookahead]"})
+    assert is_lookahead({"model": "lookahead", "ngram-size": 3})
+    assert is_lookahead({"method": "lookahead", "model": "[lookahead]"})
+    assert not is_lookahead({"model": "[ngram]"})
+    assert not is_lookahead({"model": "some/lookahead-draft"})
+    with pytest.raises(LookaheadConfigError, match="'ngram'"):
+        is_lookahead({"method": "ngram", "model": "[lookahead]"})
+
+
+class _Args:
+    def __init__(self, spec_method=None, spec_model=None, spec_tokens=None):
+        self.spec_method, self.spec_model, self.spec_tokens = spec_method, spec_model, spec_tokens
+
+
+def test_merge_spec_flags_like_vllm_without_changing_the_input():
+    spec = {"ngram_size": 3}
+    merged, names = merge_spec_flags(spec, _Args(spec_model="[lookahead]", spec_tokens=2))
+    assert merged == {"ngram_size": 3, "model": "[lookahead]", "num_speculative_tokens": 2}
+    assert names == {"model": "--spec-model", "num_speculative_tokens": "--spec-tokens"}
+    assert spec == {"ngram_size": 3}
+    assert merge_spec_flags(None, _Args()) == (None, {})
+    assert merge_spec_flags(None, object()) == (None, {})  # fields missing: none given
+    assert merge_spec_flags(None, _Args(spec_method="lookahead"))[0] == {"method": "lookahead"}
+    with pytest.raises(ValueError, match=r"--spec-tokens and --speculative-config\['num_speculative_tokens'\]"):
+        merge_spec_flags({"num-speculative-tokens": 2}, _Args(spec_tokens=3))
+
+
+def test_split_names_the_flag_a_bad_value_came_from():
+    with pytest.raises(LookaheadConfigError, match="--spec-tokens must be an integer"):
+        split_speculative_config({"model": "[lookahead]", "num_speculative_tokens": 0},
+                                 {"num_speculative_tokens": "--spec-tokens"})
+    with pytest.raises(LookaheadConfigError, match=r"speculative_config\['model'\] = 'x/y'"):
+        split_speculative_config({"method": "lookahead", "model": "x/y"})
+    out = split_speculative_config({"model": "[lookahead]", "window_size": 2})
+    assert out.lookahead.window_size == 2 and out.vllm_kwargs["model"] == PROPOSER_QUALNAME
 
 
 def test_split_minimal():

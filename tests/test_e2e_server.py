@@ -1,11 +1,13 @@
 """The OpenAI-compatible server with lookahead decoding, end to end.
 
 A real ``api_server`` process (float32, eager, SmolLM2-135M-Instruct) with
-lookahead, then a vanilla one -- one after the other, never both at once --
-answer the same greedy requests (completions and chat, streamed and not):
-the texts must be identical, and the lookahead server's ``/metrics`` must
-count drafts and accepted tokens. Bad lookahead settings must stop the server
-at start-up with a message naming the setting.
+lookahead (started as the project card says: ``--speculative-model
+"[lookahead]"``, the settings in ``--speculative-config``), then a vanilla
+one -- one after the other, never both at once -- answer the same greedy
+requests (completions and chat, streamed and not): the texts must be
+identical, and the lookahead server's ``/metrics`` must count drafts and
+accepted tokens. Bad lookahead settings must stop the server at start-up
+with a message naming the setting.
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ def _ask(client, endpoint: str, text: str, max_tokens: int, stream: bool) -> str
     return resp.choices[0].message.content
 
 
-def _serve_and_ask(model, speculative_config) -> dict:
-    with running_server(server_args(model, speculative_config)) as base_url:
+def _serve_and_ask(model, speculative_config, extra=()) -> dict:
+    with running_server(server_args(model, speculative_config, extra)) as base_url:
         client = _client(base_url)
         t0 = time.monotonic()
         texts = [_ask(client, *req) for req in REQUESTS]
@@ -71,7 +73,10 @@ def _serve_and_ask(model, speculative_config) -> dict:
 
 @pytest.fixture(scope="module")
 def lookahead_run(smollm2_path):
-    return _serve_and_ask(smollm2_path, LOOKAHEAD)
+    # The project card's spelling: lookahead chosen by --speculative-model,
+    # its settings (N, W, G, ...) in --speculative-config.
+    settings = {k: v for k, v in LOOKAHEAD.items() if k != "method"}
+    return _serve_and_ask(smollm2_path, settings, ["--speculative-model", "[lookahead]"])
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,13 @@ every other method untouched:
    vLLM gets ``method="custom_class"`` with our proposer class. This covers
    ``LLM(...)``, ``EngineArgs`` and the server's ``--speculative-config``.
    ``pipeline_parallel_size > 1`` is refused here, with a message naming it.
+   vLLM's shorthand flags (``--spec-method``, ``--spec-model``,
+   ``--spec-tokens``) are merged first, by vLLM's rule, so every spelling
+   that selects ``ngram`` selects lookahead too (``model="[lookahead]"``).
+   With it, ``EngineArgs.add_cli_args``: ``--spec-method`` also accepts
+   ``lookahead``, and ``--speculative-model`` is a second name of
+   ``--spec-model``. vLLM loads plugins before it builds its parser
+   (``AsyncEngineArgs.add_cli_args``), so this reaches ``vllm serve`` too.
 2. ``GPUModelRunner._update_states``: after vLLM updates its batch, tell our
    proposer which requests finished, were aborted or resume after preemption.
 3. ``GPUModelRunner.propose_draft_token_ids``: call our proposer with the
@@ -88,8 +95,10 @@ def _patch_engine_args() -> None:
 
     from vllm_lookahead.config import (
         ADDITIONAL_CONFIG_KEY,
+        SPEC_FLAGS,
         LookaheadConfigError,
         is_lookahead,
+        merge_spec_flags,
         split_speculative_config,
     )
 
@@ -98,9 +107,10 @@ def _patch_engine_args() -> None:
     @functools.wraps(orig)
     def create_speculative_config(self, *args, **kwargs):
         spec = self.speculative_config
-        if not is_lookahead(spec):
+        merged, names = merge_spec_flags(spec, self)
+        if not is_lookahead(merged):
             return orig(self, *args, **kwargs)
-        split = split_speculative_config(spec)
+        split = split_speculative_config(merged, names)
         pp = getattr(self, "pipeline_parallel_size", 1) or 1
         if pp > 1:
             raise LookaheadConfigError(
@@ -114,13 +124,51 @@ def _patch_engine_args() -> None:
             **(self.additional_config or {}),
             ADDITIONAL_CONFIG_KEY: split.lookahead.to_dict(),
         }
+        flags = {attr: getattr(self, attr, None) for _, _, attr in SPEC_FLAGS}
         self.speculative_config = dict(split.vllm_kwargs)
+        for attr in flags:  # merged above; vLLM must not merge them again
+            setattr(self, attr, None)
         try:
             return orig(self, *args, **kwargs)
         finally:
             self.speculative_config = spec
+            for attr, value in flags.items():
+                setattr(self, attr, value)
 
     EngineArgs.create_speculative_config = create_speculative_config
+
+    orig_cli = EngineArgs.add_cli_args
+
+    @functools.wraps(orig_cli)
+    def add_cli_args(parser, *args, **kwargs):
+        parser = orig_cli(parser, *args, **kwargs)
+        _lookahead_cli_spellings(parser)
+        return parser
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+
+
+#: Our alias of vLLM's ``--spec-model`` (the spelling vLLM's old
+#: ``--speculative-model "[ngram]"`` used, and the project card's).
+SPECULATIVE_MODEL_FLAG = "--speculative-model"
+
+
+def _lookahead_cli_spellings(parser) -> None:
+    """Let vLLM's parser take ``--spec-method lookahead`` (its choices list
+    the built-in methods only) and ``--speculative-model`` as a second name
+    of ``--spec-model``. Leaves the parser alone where vLLM's flags are not
+    there (another subcommand's parser)."""
+    from vllm_lookahead.config import METHOD
+
+    actions = parser._option_string_actions
+    method = actions.get("--spec-method")
+    if method is not None and method.choices is not None and METHOD not in method.choices:
+        method.choices = [*method.choices, METHOD]  # a copy: vLLM caches its list
+    model = actions.get("--spec-model")
+    if model is not None and SPECULATIVE_MODEL_FLAG not in actions:
+        model.option_strings.append(SPECULATIVE_MODEL_FLAG)
+        actions[SPECULATIVE_MODEL_FLAG] = model
+        model.help = f"{model.help or ''} \"[lookahead]\" selects lookahead decoding."
 
 
 def _patch_model_runner() -> None:
@@ -314,3 +362,4 @@ def fix_vllm_distribution_name() -> None:
         return orig(name)
 
     md.version = version
+

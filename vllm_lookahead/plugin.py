@@ -53,14 +53,18 @@ def _guard_unsupported(version: str) -> None:
         from vllm.engine.arg_utils import EngineArgs
     except Exception:  # pragma: no cover - nothing we can guard
         return
-    from vllm_lookahead.config import is_lookahead
+    from vllm_lookahead.config import is_lookahead, merge_spec_flags
 
     orig = getattr(EngineArgs, "create_speculative_config", None)
     if orig is None:
         return
 
     def create_speculative_config(self, *args, **kwargs):
-        if is_lookahead(self.speculative_config):
+        try:
+            spec, _ = merge_spec_flags(self.speculative_config, self)
+        except ValueError:
+            spec = self.speculative_config
+        if is_lookahead(spec):
             raise RuntimeError(unsupported_message(version))
         return orig(self, *args, **kwargs)
 
