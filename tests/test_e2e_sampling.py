@@ -341,3 +341,25 @@ def test_lookahead_accepts_drafts_while_sampling(lookahead_run, variant):
 def test_sampling_run_frees_states(lookahead_run):
     st = lookahead_run["stats"]
     assert st["live_requests"] == 0 and st["pool_ngrams"] == 0, st
+
+
+@pytest.mark.parametrize("spec", [None, LOOKAHEAD], ids=["vanilla", "lookahead"])
+def test_seeded_request_with_chunked_prompt_survives_and_repeats(smollm2_path, spec):
+    """A seeded request whose prompt is split over several steps (chunked
+    prefill) must not kill the engine (vLLM 0.32 on CPU does: patch 11) and
+    must sample as if its prompt had come in one step: the first run (cold
+    cache, prompt split into 64-token chunks) gives the same tokens as the
+    second (prompt found in the prefix cache, one step)."""
+    from vllm import SamplingParams
+
+    ids = [t for t in real_prompt_ids(smollm2_path, 8, 0) if len(t) > 64][:2]
+    prompts = token_prompts(ids)
+    assert len(prompts) == 2
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=24) for s in (11, 12)]
+    with engine(smollm2_path, spec, max_num_batched_tokens=64, max_num_seqs=4) as llm:
+        runs = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+                for _ in range(2)]
+        if spec is not None:
+            assert proposer(llm).get_stats()["decode_steps"] > 0
+    assert runs[0] == runs[1]
+    assert all(len(t) == 24 for t in runs[0])

@@ -66,6 +66,15 @@ every other method untouched:
     attention layers and sets up the planner's step-cost model (cached,
     or measured in a few seconds: :mod:`vllm_lookahead.warmup`), so the
     first request does not pay for it.
+11. ``GPUModelRunner._sample`` and ``._bookkeeping_sync``, for requests with
+    a CPU ``torch.Generator`` (a ``seed`` on the CPU platform): when a
+    request's prompt is split over several steps (chunked prefill), vLLM
+    throws away the token sampled at a partial step and rewinds the
+    request's generator with ``set_offset``, which only CUDA generators
+    have: vLLM 0.32 on CPU kills the engine ("CPU Generator does not use
+    offset"), with or without speculation. Instead, the state of such a
+    generator is saved before sampling and put back where vLLM rewinds, so
+    the request samples as if its prompt had come in one step.
 """
 
 from __future__ import annotations
@@ -87,6 +96,7 @@ def apply() -> None:
     _patch_request_validation()
     _enable_ray_on_cpu()
     _patch_warm_up()
+    _fix_cpu_seeded_rewind()
     _APPLIED = True
 
 
@@ -363,3 +373,56 @@ def fix_vllm_distribution_name() -> None:
 
     md.version = version
 
+
+class _RewindToState:
+    """Stands in for a CPU ``torch.Generator`` in vLLM's rewind loop
+    (``gen.set_offset(gen.get_offset() - 4)``): the rewind puts back the
+    state the generator had before this step's sampling."""
+
+    def __init__(self, gen, state) -> None:
+        self._gen, self._state = gen, state
+
+    def get_offset(self) -> int:
+        return 0
+
+    def set_offset(self, _offset: int) -> None:
+        self._gen.set_state(self._state)
+
+
+def _fix_cpu_seeded_rewind() -> None:
+    import numpy as np
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    orig_sample = GPUModelRunner._sample
+    orig_sync = GPUModelRunner._bookkeeping_sync
+
+    @functools.wraps(orig_sample)
+    def _sample(self, *args, **kwargs):
+        saved = {}
+        generators = self.input_batch.generators
+        if generators:
+            num_reqs = self.input_batch.num_reqs
+            for i in np.nonzero(self.discard_request_mask.np[:num_reqs])[0]:
+                gen = generators.get(int(i))
+                if gen is not None and gen.device.type == "cpu":
+                    saved[int(i)] = gen.get_state()
+        self._lookahead_saved_generators = saved
+        return orig_sample(self, *args, **kwargs)
+
+    @functools.wraps(orig_sync)
+    def _bookkeeping_sync(self, *args, **kwargs):
+        saved = getattr(self, "_lookahead_saved_generators", None)
+        self._lookahead_saved_generators = None
+        if not saved:
+            return orig_sync(self, *args, **kwargs)
+        generators = self.input_batch.generators
+        real = {i: generators[i] for i in saved if i in generators}
+        for i, gen in real.items():
+            generators[i] = _RewindToState(gen, saved[i])
+        try:
+            return orig_sync(self, *args, **kwargs)
+        finally:
+            generators.update(real)
+
+    GPUModelRunner._sample = _sample
+    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
