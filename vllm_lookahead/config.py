@@ -218,6 +218,12 @@ class SplitConfig:
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+def _underscored(spec: dict[str, Any]) -> dict[str, Any]:
+    """The dict with dashes in its keys read as underscores, as vLLM's CLI
+    reads them (``ngram-size`` == ``ngram_size``)."""
+    return {str(k).replace("-", "_"): v for k, v in spec.items()}
+
+
 def is_lookahead(spec: Any) -> bool:
     """Whether a (merged) ``speculative_config`` dict selects lookahead:
     ``method`` is ``"lookahead"``, or no method and ``model`` is
@@ -229,7 +235,7 @@ def is_lookahead(spec: Any) -> bool:
     """
     if not isinstance(spec, dict):
         return False
-    spec = {str(k).replace("-", "_"): v for k, v in spec.items()}
+    spec = _underscored(spec)
     method, model = spec.get("method"), spec.get("model")
     if method in METHOD_NAMES:
         return True
@@ -267,7 +273,7 @@ def merge_spec_flags(spec: Any, args: Any) -> tuple[Any, dict[str, str]]:
             continue
         if merged is None:
             merged = {}
-        if key in {str(k).replace("-", "_") for k in merged}:
+        if key in _underscored(merged):
             raise ValueError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
         merged[key] = value
         names[key] = flag
@@ -292,7 +298,7 @@ def split_speculative_config(
     Raises:
         LookaheadConfigError: unknown key, wrong type or value out of range.
     """
-    spec = {str(k).replace("-", "_"): v for k, v in spec.items()}
+    spec = _underscored(spec)
     names = names or {}
 
     def name(key: str) -> str:
