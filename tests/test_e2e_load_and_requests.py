@@ -216,6 +216,24 @@ def test_planner_follows_the_cost_curve_and_stays_exact(smollm2_path, prompts, v
         assert arms["pool"] > 0 and st["accepted_tokens"] > 0, arms
 
 
+def test_quiet_batches_skip_the_work_and_stay_exact(smollm2_path, prompts, vanilla, tmp_path):
+    """Where every extra query token costs more than a step's worth of
+    tokens, no draft can pay at any batch size: the proposer skips its
+    per-request work on such steps (``steps_quiet``), runs the full path
+    only to refresh its estimates, drafts nothing, and stays exact."""
+    spec = {**LOOKAHEAD, "adaptive": True,
+            "cost_model": _curve_file(tmp_path, "hopeless", 1.5)}
+    with engine(smollm2_path, spec, max_num_seqs=16) as llm:
+        one = generate_ids(llm, prompts[:2], _params(), batch=False)
+        together = generate_ids(llm, prompts, _params(), batch=True)
+        st = proposer(llm).get_stats()
+    _same(one, vanilla[:2])
+    _same(together, vanilla)
+    assert st["steps_quiet"] > 0.5 * st["decode_steps"] / len(prompts), st
+    assert st["drafts"] == 0 and st["arm_steps"]["pool"] == st["arm_steps"]["tree"] == 0, st
+    assert st["shape_steps"] == {"off": st["arm_steps"]["off"]}
+
+
 def test_seeded_sampling_is_reproducible_under_the_planner(smollm2_path, prompts):
     """A sampled request with a seed gives the same tokens at every run, as
     in vLLM without speculation: its drafts come from its text alone, never

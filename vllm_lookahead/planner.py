@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_lookahead.acceptance import RequestAcceptance
+from vllm_lookahead.acceptance import RequestAcceptance, geometric_gain
 from vllm_lookahead.attn_mask import tree_size
 
 #: Steps a tree is expected to keep running once started, before the engine
@@ -102,6 +102,49 @@ class RequestView:
     lookup_kind: str = "suffix4"
     trees: bool = True
     fixed: Shape | None = None
+
+
+@dataclass(frozen=True)
+class BestCase:
+    """An upper bound of what any request of a batch could gain per query
+    token: the highest acceptance estimates among the requests and the
+    engine's prior (which new requests start from), the longest draft, and
+    the smallest tree of each kind. See :meth:`Planner.any_pays`.
+
+    Attributes:
+        p_unchecked: highest per-token acceptance of an unchecked draft
+            (any lookup kind; the planner values a checked chain so too).
+        max_draft: longest draft any request may take.
+        trees: ``(window on, g)`` -> (highest confirmed tokens times the
+            highest checked acceptance, fewest tree nodes), for the tree
+            shapes some request may run (none: no request may).
+    """
+
+    p_unchecked: float
+    max_draft: int
+    trees: dict
+
+    @classmethod
+    def of(cls, views: list["RequestView"], prior) -> "BestCase":
+        """The bound of ``views`` (non-empty) and the engine's ``prior``
+        (an :class:`~vllm_lookahead.acceptance.AcceptancePrior`)."""
+        accs = [v.acc for v in views]
+        p_u = max([max(prior.p_unchecked.values())]
+                  + [max(r.p for r in a.unchecked.values()) for a in accs])
+        p_c = max([prior.p_checked] + [a.checked.p for a in accs])
+        trees: dict = {}
+        for v in views:
+            if not v.trees:
+                continue
+            for w in ([False, True] if v.window_size > 0 else [False]):
+                for g in [0] + _cand_steps(v.guess_set_size):
+                    if g == 0 and not w:
+                        continue
+                    m = min(max(v.acc.tree_gain(g, w), prior.tree_gain(g, w)), v.ngram_size - 1)
+                    nodes = tree_size(v.ngram_size, v.window_size if w else 0, g)
+                    old = trees.get((w, g), (0.0, nodes))
+                    trees[(w, g)] = (max(old[0], m * p_c), min(old[1], nodes))
+        return cls(p_unchecked=p_u, max_draft=max(v.room for v in views), trees=trees)
 
 
 def _cand_steps(g_max: int) -> list[int]:
@@ -178,6 +221,31 @@ class Planner:
         return out
 
     # -- the batch ---------------------------------------------------------------
+    def any_pays(self, batch: int, best: BestCase) -> bool:
+        """Whether :meth:`plan` could give any request of a ``batch``-request
+        step a draft or a tree, for requests no better than ``best``.
+
+        :meth:`plan` starts from every request off and moves a request only
+        where a shape beats off with the others off. Here each shape's gain
+        is bounded from above (the best acceptance, the longest draft) and
+        its cost from below (no draft under a tree, no catch-up pass), so
+        False means the plan is all off: the proposer may skip the batch's
+        per-request work (lookups, pool updates, planning) this step.
+        """
+        if batch <= 0 or best.max_draft <= 0:
+            return False
+        c0 = self.cost.predict(batch, 1.0, tree=False)
+        lam = batch / c0  # the all-off plan's tokens per second
+
+        def pays(gain: float, query: int, tree: bool) -> bool:
+            sec = self.cost.predict(batch, (batch - 1 + query) / batch, tree=tree)
+            return gain > lam * (sec - c0) + 1e-12
+
+        for k in range(1, best.max_draft + 1):
+            if pays(geometric_gain(best.p_unchecked, k), 1 + k, False):
+                return True
+        return any(pays(gain, 1 + nodes, True) for gain, nodes in best.trees.values())
+
     def plan(self, views: list[RequestView], max_tree_tokens: int = 0) -> list[Shape]:
         """One shape per request (in the order of ``views``)."""
         r_n = len(views)

@@ -58,7 +58,7 @@ from vllm_lookahead.config import (
     request_settings,
 )
 from vllm_lookahead.acceptance import AcceptancePrior, RequestAcceptance
-from vllm_lookahead.planner import OFF, Planner, RequestView, Shape
+from vllm_lookahead.planner import OFF, BestCase, Planner, RequestView, Shape
 from vllm_lookahead.state import (
     SOURCE_MODEL,
     SOURCE_PROMPT,
@@ -121,6 +121,9 @@ class LookaheadProposer:
 
     #: Steps between two agreements of the cost correction (TP ranks).
     AGREE_EVERY = 32
+    #: Steps between two full planning steps of a quiet batch (one whose
+    #: drafts cannot pay at its size): those keep the acceptance learnt.
+    REFRESH = 16
 
     def __init__(self, vllm_config) -> None:
         spec = vllm_config.speculative_config
@@ -160,6 +163,12 @@ class LookaheadProposer:
         self._calls = 0
         #: Whether the step being run has no new or resumed request.
         self._clean = False
+        #: Quiet batches: the bound of the batch's requests (taken at the
+        #: last full step), steps since, and (batch size, whether any
+        #: draft could pay) for the bound.
+        self._best: BestCase | None = None
+        self._since_full = 0
+        self._pays: tuple[int, bool] | None = None
         how = "planned per step" if self.cfg.adaptive else "fixed tree"
         if self.disable_batch_size:
             how += f", off from {self.disable_batch_size} decoding requests"
@@ -269,6 +278,7 @@ class LookaheadProposer:
         live: list[_Live] = []
         num_decoding = 0
         clean = self._clean
+        joined = False
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:
                 clean = False  # still prefilling
@@ -279,6 +289,7 @@ class LookaheadProposer:
             state = self.states.get(req_id)
             if state is None:
                 state = self._new_state(runner, req_id, token_ids[i], n_tok)
+                joined = True
             self._account(state, sampled, n_tok)
             state.plan = None
             if not state.settings.enabled:
@@ -297,6 +308,7 @@ class LookaheadProposer:
             for r in live:
                 r.state.draft_sources, r.state.lookup = [], []
             live = []
+        everyone, live = live, self._not_quiet(live, spec_k, joined)
         if self.cfg.prompt_pool:
             for r in live:
                 r.state.add_context_ngrams(token_ids[r.i], r.state.settings.ngram_size, r.n_tok)
@@ -321,6 +333,9 @@ class LookaheadProposer:
             if drafts[r.i]:
                 self.stats.drafts += 1
                 self.stats.draft_tokens += len(drafts[r.i])
+        if len(live) < len(everyone):  # a quiet step: time it as planned
+            q = 1 + sum(len(drafts[r.i]) for r in live) / len(everyone)
+            self._last_step = (len(everyone), q, False, 0.0)
         self.stats.live_requests = len(self.states)
         t1 = time.perf_counter()
         self.stats.proposer_time_s += t1 - t0
@@ -395,6 +410,46 @@ class LookaheadProposer:
             else:
                 self._unchecked(r, drafts, shape.draft if not fixed else r.room)
         return trees
+
+    def _not_quiet(self, live: list[_Live], spec_k: int, joined: bool) -> list[_Live]:
+        """The requests that need this step's per-request work.
+
+        Where the planner would plan every request off whatever its lookup
+        found (the bound of :meth:`Planner.any_pays` over the batch's
+        acceptance estimates, taken at the last full step), the requests
+        are left out: no lookup, no pool update (caught up later), no
+        planning, no relaxing of their tree estimates. Seeded requests are
+        never left out (their drafts depend on their text alone). The full
+        path runs every :attr:`REFRESH` steps, when a request joins, and
+        after a tree, which keeps the estimates and the bound current.
+        """
+        if self.planner is None or not live:
+            return live
+        self._since_full += 1
+        if (joined or self._best is None or self._since_full >= self.REFRESH
+                or any(r.chain for r in live)):
+            self._since_full = 0
+            free = [r for r in live if not r.state.seeded]
+            self._best = BestCase.of([_bound_view(r, spec_k) for r in free], self.prior) \
+                if free else None
+            self._pays = None
+            return live
+        b = len(live)
+        if self._pays is None or self._pays[0] != b:
+            self._pays = (b, self.planner.any_pays(b, self._best))
+        if self._pays[1]:
+            return live
+        self.stats.steps_quiet += 1
+        keep = []
+        for r in live:
+            if r.state.seeded:
+                keep.append(r)
+                continue
+            r.state.draft_sources, r.state.lookup = [], []
+        n_off = len(live) - len(keep)
+        self.stats.arm_steps["off"] += n_off
+        self.stats.shape_steps["off"] = self.stats.shape_steps.get("off", 0) + n_off
+        return keep
 
     def _unchecked(self, r: _Live, drafts, k: int) -> None:
         """Draft the first ``k`` tokens of the request's unchecked lookup."""
@@ -673,6 +728,15 @@ class LookaheadProposer:
         d["cost_model"] = self.planner.cost.snapshot() if self.planner is not None else None
         d["acceptance_prior"] = self.prior.snapshot()
         return d
+
+
+def _bound_view(r: _Live, spec_k: int) -> RequestView:
+    """A request as :meth:`BestCase.of` sees it: its settings' upper bounds
+    (not this step's pool or room), so the bound holds for later steps."""
+    s = r.state.settings
+    return RequestView(acc=r.state.acc, ngram_size=s.ngram_size, window_size=s.window_size,
+                       guess_set_size=s.guess_set_size, room=max(spec_k, r.room),
+                       trees=not r.state.seeded)
 
 
 def _rank0_choice(obj):

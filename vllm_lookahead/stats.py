@@ -47,6 +47,9 @@ class LookaheadStats:
             pass ``max_model_len``).
         steps_window_off / steps_off: steps where the tree-token budget left
             the windows out / where the batch was too big for lookahead.
+        steps_quiet: steps where no request's draft could pay at that batch
+            size (:meth:`~vllm_lookahead.planner.Planner.any_pays`), so the
+            per-request work (lookups, pool updates, planning) was skipped.
         fused_trees: request trees that rode in vLLM's forward (fused).
         pass_requests: request trees run in an extra forward (separate mode,
             or a fused-mode catch-up pass).
@@ -77,6 +80,7 @@ class LookaheadStats:
     unchecked_drafts: int = 0
     steps_window_off: int = 0
     steps_off: int = 0
+    steps_quiet: int = 0
     fused_trees: int = 0
     pass_requests: int = 0
     catch_up_requests: int = 0
