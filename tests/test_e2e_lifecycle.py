@@ -188,7 +188,7 @@ def test_eos(la, va, smollm2_path):
     (EOS included), finish_reason "stop" with no stop string."""
     from transformers import AutoTokenizer
 
-    from vllm_lookahead.assets import chat_prompts
+    from vllm_lookahead.tools import chat_prompts
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_path))
     prompts = [

@@ -33,7 +33,7 @@ DEV_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 def _requests_spec():
     """(kind, endpoint, text, max_tokens, stream, extra) per request."""
-    from vllm_lookahead.assets import load_humaneval, load_mtbench
+    from vllm_lookahead.tools import load_humaneval, load_mtbench
 
     code = load_humaneval(12)
     chat = load_mtbench(12)

@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
     from vllm.inputs import TokensPrompt
 
-    from vllm_lookahead.assets import chat_prompts, load_humaneval, load_mtbench, prepare_smollm2
+    from vllm_lookahead.tools import chat_prompts, load_humaneval, load_mtbench, prepare_smollm2
 
     model = str(prepare_smollm2())
     tok = AutoTokenizer.from_pretrained(model)
