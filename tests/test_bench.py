@@ -1,26 +1,24 @@
-"""Tests for benchmarks/bench.py: the pure parts (no engine is started)."""
+"""Tests for benchmarks/bench.py and its modules: the pure parts (no engine
+is started)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+if str(BENCH_DIR) not in sys.path:  # the suite's modules import each other by name
+    sys.path.insert(0, str(BENCH_DIR))
 
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("vllm_lookahead_bench", BENCH_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses need the module registered
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+import bench  # noqa: E402
+import child  # noqa: E402
+import figures  # noqa: E402
+import methods  # noqa: E402
+import plot  # noqa: E402
+import report  # noqa: E402
 
 
 # --------------------------------------------------------------------------
@@ -29,38 +27,39 @@ bench = _load_bench()
 
 
 def test_vanilla_and_ngram_specs() -> None:
-    assert bench.parse_method("vanilla") == bench.Method("vanilla", "vanilla", None)
-    ngram = bench.parse_method("ngram")
+    assert methods.parse_method("vanilla") == methods.Method("vanilla", "vanilla", None)
+    ngram = methods.parse_method("ngram")
     assert ngram.kind == "ngram"
     assert ngram.spec == {"method": "ngram", "num_speculative_tokens": 4,
                           "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    assert bench.parse_method("ngram:6").spec["num_speculative_tokens"] == 6
-    spec = bench.parse_method("ngram:k=3,max=5,min=3").spec
+    assert methods.parse_method("ngram:6").spec["num_speculative_tokens"] == 6
+    spec = methods.parse_method("ngram:k=3,max=5,min=3").spec
     assert (spec["num_speculative_tokens"], spec["prompt_lookup_max"],
             spec["prompt_lookup_min"]) == (3, 5, 3)
     # Only max given, below the default min: min follows it.
-    assert bench.parse_method("ngram:max=1").spec["prompt_lookup_min"] == 1
+    assert methods.parse_method("ngram:max=1").spec["prompt_lookup_min"] == 1
     # Any other SpeculativeConfig key passes through.
-    assert bench.parse_method("ngram:rejection_sample_method=standard").spec[
+    assert methods.parse_method("ngram:rejection_sample_method=standard").spec[
         "rejection_sample_method"] == "standard"
 
 
 def test_lookahead_specs() -> None:
-    assert bench.parse_method("la:4,5,5").spec == {
+    assert methods.parse_method("la:4,5,5").spec == {
         "method": "lookahead", "ngram_size": 4, "window_size": 5, "guess_set_size": 5,
         "prompt_pool": True,
     }
-    assert bench.parse_method("la:4,5,5,nopool").spec["prompt_pool"] is False
-    assert bench.parse_method("la:4,5,5,separate").spec["mode"] == "separate"
-    assert bench.parse_method("lookahead:5,7,7,fused").spec["mode"] == "fused"
-    spec = bench.parse_method("la:4,5,5,mode=separate,max_tree_tokens=64,x=1.5,y=abc,z=false").spec
+    assert methods.parse_method("la:4,5,5,nopool").spec["prompt_pool"] is False
+    assert methods.parse_method("la:4,5,5,separate").spec["mode"] == "separate"
+    assert methods.parse_method("lookahead:5,7,7,fused").spec["mode"] == "fused"
+    spec = methods.parse_method(
+        "la:4,5,5,mode=separate,max_tree_tokens=64,x=1.5,y=abc,z=false").spec
     assert spec["mode"] == "separate"
     assert spec["max_tree_tokens"] == 64
     assert (spec["x"], spec["y"], spec["z"]) == (1.5, "abc", False)
-    assert bench.parse_method("la:3").spec == {"method": "lookahead", "ngram_size": 3,
+    assert methods.parse_method("la:3").spec == {"method": "lookahead", "ngram_size": 3,
                                                "prompt_pool": True}
-    assert bench.parse_method("la").spec == {"method": "lookahead"}  # plugin defaults
-    assert bench.parse_method(" la:4,5,5 ").label == "la:4,5,5"
+    assert methods.parse_method("la").spec == {"method": "lookahead"}  # plugin defaults
+    assert methods.parse_method(" la:4,5,5 ").label == "la:4,5,5"
 
 
 @pytest.mark.parametrize(
@@ -80,15 +79,15 @@ def test_lookahead_specs() -> None:
     ],
 )
 def test_bad_method_specs(text: str, message: str) -> None:
-    with pytest.raises(bench.MethodSpecError, match=message):
-        bench.parse_method(text)
+    with pytest.raises(methods.MethodSpecError, match=message):
+        methods.parse_method(text)
 
 
 def test_parse_methods_puts_vanilla_first_and_rejects_duplicates() -> None:
-    methods = bench.parse_methods(["la:4,5,5", "ngram", "vanilla", "la:5,7,7"])
-    assert [m.label for m in methods] == ["vanilla", "la:4,5,5", "ngram", "la:5,7,7"]
-    with pytest.raises(bench.MethodSpecError, match="twice"):
-        bench.parse_methods(["la:4,5,5", "la:4,5,5"])
+    parsed = methods.parse_methods(["la:4,5,5", "ngram", "vanilla", "la:5,7,7"])
+    assert [m.label for m in parsed] == ["vanilla", "la:4,5,5", "ngram", "la:5,7,7"]
+    with pytest.raises(methods.MethodSpecError, match="twice"):
+        methods.parse_methods(["la:4,5,5", "la:4,5,5"])
 
 
 def test_cli_rejects_bad_method(capsys) -> None:
@@ -104,8 +103,8 @@ def test_cli_rejects_bad_method(capsys) -> None:
 
 
 def _metrics(accepted=0, drafts=0, draft_tokens=0, steps=0):
-    return {bench.M_ACCEPTED: accepted, bench.M_DRAFTS: drafts,
-            bench.M_DRAFT_TOKENS: draft_tokens, bench.M_ITERATIONS: steps}
+    return {figures.M_ACCEPTED: accepted, figures.M_DRAFTS: drafts,
+            figures.M_DRAFT_TOKENS: draft_tokens, figures.M_ITERATIONS: steps}
 
 
 def test_step_compression_from_vllm_counters() -> None:
@@ -115,7 +114,7 @@ def test_step_compression_from_vllm_counters() -> None:
         "metrics_before": _metrics(10, 5, 20, 100),
         "metrics_after": _metrics(10 + 40, 5 + 20, 20 + 64, 100 + 80),
     }
-    fig = bench.section_figures(raw)
+    fig = figures.section_figures(raw)
     assert fig["tokens_per_s"] == 30.0
     assert fig["accepted_tokens"] == 40
     assert fig["request_steps"] == 80  # 120 tokens - 40 accepted draft tokens
@@ -131,8 +130,8 @@ def test_step_compression_from_vllm_counters() -> None:
 
 def test_vanilla_has_no_spec_metrics() -> None:
     raw = {"kind": "vanilla", "output_tokens": 64, "elapsed_s": 2.0,
-           "metrics_before": {bench.M_ITERATIONS: 3}, "metrics_after": {bench.M_ITERATIONS: 70}}
-    fig = bench.section_figures(raw)
+           "metrics_before": {figures.M_ITERATIONS: 3}, "metrics_after": {figures.M_ITERATIONS: 70}}
+    fig = figures.section_figures(raw)
     assert fig["step_compression"] == 1.0
     assert fig["request_steps"] == 64
     assert fig["mean_accepted_len"] is None and fig["acceptance_rate"] is None
@@ -149,7 +148,7 @@ def test_lookahead_stats_deltas() -> None:
     raw = {"kind": "lookahead", "output_tokens": 120, "elapsed_s": 3.0,
            "metrics_before": _metrics(0, 0, 0, 0), "metrics_after": _metrics(60, 30, 80, 50),
            "la_before": la_before, "la_after": la_after}
-    fig = bench.section_figures(raw)
+    fig = figures.section_figures(raw)
     assert fig["step_compression"] == pytest.approx(2.0)  # 120 / (120 - 60)
     assert fig["la_step_compression"] == pytest.approx(120 / 50)
     assert fig["share"] == pytest.approx({"window": 0.6, "prompt": 0.2, "model": 0.2})
@@ -165,13 +164,13 @@ def test_lookahead_missing_fields_give_none() -> None:
     raw = {"kind": "lookahead", "output_tokens": 10, "elapsed_s": 1.0,
            "metrics_before": {}, "metrics_after": {},
            "la_before": {"accepted_by_source": {}}, "la_after": {"accepted_by_source": {}}}
-    fig = bench.section_figures(raw)
+    fig = figures.section_figures(raw)
     for key in ("step_compression", "mean_accepted_len", "acceptance_rate",
                 "proposer_ms_per_step", "forwards_per_step"):
         assert fig[key] is None, key
     assert fig["share"]["window"] is None
-    assert bench._fmt("share", fig["share"]) == "-"
-    assert bench._fmt("forwards_per_step", None) == "-"
+    assert report._fmt("share", fig["share"]) == "-"
+    assert report._fmt("forwards_per_step", None) == "-"
 
 
 def test_ratio_and_match_against_vanilla_of_same_group() -> None:
@@ -184,12 +183,12 @@ def test_ratio_and_match_against_vanilla_of_same_group() -> None:
             row("la", "lookahead", 10.0, dataset="mtbench"),
             row("ngram", "ngram", None, error="boom")]
     outputs = {
-        bench.row_key(rows[0]): [[1, 2, 3], [4, 5]],
-        bench.row_key(rows[1]): [[1, 2, 3], [4, 6, 7]],
-        bench.row_key(rows[2]): [[1, 2], [4, 5]],
-        bench.row_key(rows[3]): [[1, 2], [4, 5]],
+        figures.row_key(rows[0]): [[1, 2, 3], [4, 5]],
+        figures.row_key(rows[1]): [[1, 2, 3], [4, 6, 7]],
+        figures.row_key(rows[2]): [[1, 2], [4, 5]],
+        figures.row_key(rows[3]): [[1, 2], [4, 5]],
     }
-    bench.add_relative_figures(rows, outputs)
+    figures.add_relative_figures(rows, outputs)
     assert rows[0]["ratio"] == 1.0
     assert rows[1]["ratio"] == pytest.approx(1.5)
     assert rows[1]["match"] == [1, 2] and rows[1]["first_diff"] == [None, 1]
@@ -200,9 +199,9 @@ def test_ratio_and_match_against_vanilla_of_same_group() -> None:
 
 
 def test_match_helpers() -> None:
-    assert bench.match_count([[1], [2]], [[1], [3]]) == (1, 2)
-    assert bench.match_count([[1]], [[1], [2]]) is None
-    assert bench.first_differences([[1, 2], [1]], [[1, 2, 3], [1]]) == [2, None]
+    assert figures.match_count([[1], [2]], [[1], [3]]) == (1, 2)
+    assert figures.match_count([[1]], [[1], [2]]) is None
+    assert figures.first_differences([[1, 2], [1]], [[1, 2, 3], [1]]) == [2, None]
 
 
 # --------------------------------------------------------------------------
@@ -234,7 +233,7 @@ def _fake_results() -> dict:
 
 
 def test_render_table() -> None:
-    text = bench.render_table(_fake_results()["rows"])
+    text = report.render_table(_fake_results()["rows"])
     assert text.count("== smollm2 bfloat16") == 4
     assert "== smollm2 bfloat16 | mtbench | batch size 4, 8 prompts x 128 tokens" in text
     la_line = next(line for line in text.splitlines() if line.startswith("la:4,5,5"))
@@ -249,22 +248,22 @@ def test_render_table() -> None:
 def test_noisy_rows_flagged(capsys) -> None:
     results = _fake_results()
     results["rows"][1]["other_load"] = 0.9
-    bench.report(results, None)
+    report.report(results, None)
     out = capsys.readouterr().out
     assert "warning: 1 of 12 rows" in out and "la:4,5,5 (0.90 cores)" in out
 
 
 def test_machine_busy_is_monotonic() -> None:
-    first = bench.machine_busy_s()
+    first = report.machine_busy_s()
     if first is None:
         pytest.skip("no /proc/stat")
     sum(i * i for i in range(200_000))  # burn a little CPU
-    assert bench.machine_busy_s() >= first
+    assert report.machine_busy_s() >= first
 
 
 def test_render_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    path = bench.render_plot(_fake_results()["rows"], tmp_path / "sub" / "plot.png", title="t")
+    path = plot.render_plot(_fake_results()["rows"], tmp_path / "sub" / "plot.png", title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert path.stat().st_size > 10_000
 
@@ -283,7 +282,7 @@ def test_from_json_renders_table_and_plot(tmp_path: Path, capsys) -> None:
 
 
 def test_machine_info() -> None:
-    info = bench.machine_info(["bench.py", "--prompts", "2"])
+    info = report.machine_info(["bench.py", "--prompts", "2"])
     assert info["command"] == "bench.py --prompts 2"
     assert info["cpus"] >= 1
     for key in ("date", "cpu", "torch", "vllm", "python"):
@@ -291,10 +290,10 @@ def test_machine_info() -> None:
 
 
 def test_fixed_flag_and_arm_share_column():
-    assert bench.parse_method("la:4,3,3,fixed").spec["adaptive"] is False
-    assert bench.parse_method("la:adaptive").spec == {"method": "lookahead", "adaptive": True}
-    assert bench._fmt("arm_share", {"tree": 0.5, "pool": 0.25, "off": 0.25}) == "50/25/25"
-    assert bench._fmt("arm_share", None) == "-"
+    assert methods.parse_method("la:4,3,3,fixed").spec["adaptive"] is False
+    assert methods.parse_method("la:adaptive").spec == {"method": "lookahead", "adaptive": True}
+    assert report._fmt("arm_share", {"tree": 0.5, "pool": 0.25, "off": 0.25}) == "50/25/25"
+    assert report._fmt("arm_share", None) == "-"
 
 
 def test_turns_are_round_robin_and_skip_dead_processes(tmp_path):
@@ -304,7 +303,7 @@ def test_turns_are_round_robin_and_skip_dead_processes(tmp_path):
     order, lock = [], threading.Lock()
 
     def worker(k, units):
-        turns = bench.Turns({"dir": str(tmp_path), "index": k, "count": 4})
+        turns = child.Turns({"dir": str(tmp_path), "index": k, "count": 4})
         turns.ready()
         for _ in range(units):
             turns.acquire()

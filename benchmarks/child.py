@@ -1,0 +1,237 @@
+"""The child process (``bench.py --child CONFIG RESULT``): one engine over
+every (dataset, batch size), alone or taking turns with the other engines of
+its group."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from vllm_lookahead.cost_model import machine_busy_s
+
+from figures import section_figures
+from prompts import _load_prompts
+from report import _fmt, _short_error, _write_json
+
+
+def _metric_values(llm) -> dict[str, float]:
+    """Counters by name (summed over label sets); histograms give their count."""
+    values: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if hasattr(metric, "count") and hasattr(metric, "buckets"):
+            value = metric.count
+        elif hasattr(metric, "value"):
+            value = metric.value
+        else:
+            continue
+        values[metric.name] = values.get(metric.name, 0) + value
+    return values
+
+
+def _peak_rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux (bytes on macOS).
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**20 if sys.platform == "darwin" else 1024)
+
+
+class Turns:
+    """Round-robin turns between the engine processes of one interleaved
+    group (``--interleave``): each process times one batch of prompts per
+    turn, so a machine whose speed drifts over minutes (shared VMs do) slows
+    every method alike and the ratios stay fair.
+
+    State lives in a directory the parent creates: ``turn`` holds the index
+    of the process whose turn it is, ``ready.K`` / ``done.K`` mark processes
+    whose engine is warm / that have finished (or died: the parent marks
+    those). Nobody starts timing until every live process is ready.
+    """
+
+    POLL_S = 0.05
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.dir = Path(spec["dir"])
+        self.index = int(spec["index"])
+        self.count = int(spec["count"])
+
+    def _done(self, k: int) -> bool:
+        return (self.dir / f"done.{k}").exists()
+
+    def _current(self) -> int:
+        try:
+            return int((self.dir / "turn").read_text(encoding="ascii"))
+        except (OSError, ValueError):
+            return 0
+
+    def _pass_from(self, k: int) -> None:
+        for step in range(1, self.count + 1):
+            nxt = (k + step) % self.count
+            if not self._done(nxt):
+                break
+        tmp = self.dir / f"turn.{self.index}.tmp"
+        tmp.write_text(str(nxt), encoding="ascii")
+        os.replace(tmp, self.dir / "turn")
+
+    def ready(self) -> None:
+        (self.dir / f"ready.{self.index}").touch()
+
+    def acquire(self) -> None:
+        while not all((self.dir / f"ready.{k}").exists() or self._done(k)
+                      for k in range(self.count)):
+            time.sleep(self.POLL_S)
+        while True:
+            k = self._current()
+            if k == self.index:
+                return
+            if self._done(k):  # its holder is gone: pass the turn on
+                self._pass_from(k)
+            time.sleep(self.POLL_S)
+
+    def release(self) -> None:
+        self._pass_from(self.index)
+
+    def finish(self) -> None:
+        (self.dir / f"done.{self.index}").touch()
+        if self._current() == self.index:
+            self._pass_from(self.index)
+
+
+def child_main(config_path: str, result_path: str) -> int:
+    """Run one engine over every (dataset, batch size) and write the result."""
+    cfg = json.loads(Path(config_path).read_text(encoding="utf-8"))
+    out = Path(result_path)
+    result: dict[str, Any] = {"sections": [], "error": None}
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        from tqdm import tqdm
+        from transformers import AutoTokenizer
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
+        prompts = {ds: _load_prompts(ds, cfg["prompts"], tokenizer) for ds in cfg["datasets"]}
+        result["prompt_tokens"] = {ds: [len(p) for p in ps] for ds, ps in prompts.items()}
+        kind = cfg["kind"]
+
+        started = time.perf_counter()
+        llm = LLM(
+            cfg["model_path"],
+            dtype=cfg["dtype"],
+            speculative_config=cfg["spec"],
+            enforce_eager=True,
+            max_model_len=cfg["max_model_len"],
+            max_num_seqs=max(cfg["batch_sizes"]),
+            kv_cache_memory_bytes=cfg["kv_cache_bytes"],
+            seed=0,
+            disable_log_stats=False,
+        )
+        result["engine_start_s"] = time.perf_counter() - started
+
+        stats_fn = None
+        if kind == "lookahead":
+            from vllm_lookahead import get_lookahead_stats
+
+            stats_fn = get_lookahead_stats
+
+        def la_stats() -> dict | None:
+            if stats_fn is None:
+                return None
+            try:
+                return stats_fn(llm)
+            except Exception as exc:  # stats must never break the benchmark
+                result.setdefault("warnings", []).append(f"lookahead stats: {exc!r}")
+                return None
+
+        params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"])
+        first = next((ps for ps in prompts.values() if ps), [])
+        if first:  # warm-up: one short generate, batched up to the largest batch
+            warm = [TokensPrompt(prompt_token_ids=p)
+                    for p in first[: max(1, min(max(cfg["batch_sizes"]), len(first)))]]
+            llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        result["config_seen"] = None
+        after_warm = la_stats()
+        if after_warm is not None:
+            result["config_seen"] = after_warm.get("config")
+        turns = Turns(cfg["turn"]) if cfg.get("turn") else None
+        if turns is not None:
+            turns.ready()
+
+        for ds in cfg["datasets"]:
+            token_lists = prompts[ds]
+            for bs in cfg["batch_sizes"]:
+                section: dict[str, Any] = {"dataset": ds, "batch_size": bs,
+                                           "n_prompts": len(token_lists), "kind": kind}
+                try:
+                    metrics_before, la_before = _metric_values(llm), la_stats()
+                    outputs: list[list[int]] = []
+                    elapsed = 0.0
+                    bar = tqdm(total=len(token_lists), unit="prompt", leave=False,
+                               desc=f"{cfg['label']} {ds} bs={bs}", file=sys.stderr,
+                               dynamic_ncols=True, disable=turns is not None)
+                    cpu_s = 0.0
+                    machine_s: float | None = 0.0
+                    for i in range(0, len(token_lists), bs):
+                        batch = [TokensPrompt(prompt_token_ids=p) for p in token_lists[i:i + bs]]
+                        if turns is not None:
+                            turns.acquire()
+                        try:
+                            c0, m0 = time.process_time(), machine_busy_s()
+                            t0 = time.perf_counter()
+                            outs = llm.generate(batch, params, use_tqdm=False)
+                            elapsed += time.perf_counter() - t0
+                            cpu_s += time.process_time() - c0
+                            m1 = machine_busy_s()
+                            machine_s = (None if machine_s is None or m0 is None or m1 is None
+                                         else machine_s + m1 - m0)
+                        finally:
+                            if turns is not None:
+                                turns.release()
+                        if turns is not None:
+                            with open(cfg["turn"]["dir"] + f"/progress.{turns.index}", "a") as f:
+                                f.write(f"{len(batch)}\n")
+                        outputs.extend(list(o.outputs[0].token_ids) for o in outs)
+                        bar.update(len(batch))
+                        if elapsed > 0:
+                            bar.set_postfix_str(
+                                f"{sum(map(len, outputs)) / elapsed:.1f} tok/s", refresh=False)
+                    bar.close()
+                    section.update(
+                        output_tokens=sum(map(len, outputs)),
+                        elapsed_s=elapsed,
+                        cpu_s=cpu_s,
+                        machine_cpu_s=machine_s,
+                        outputs=outputs,
+                        metrics_before=metrics_before,
+                        metrics_after=_metric_values(llm),
+                        la_before=la_before,
+                        la_after=la_stats(),
+                    )
+                    fig = section_figures(section)
+                    tqdm.write(
+                        f"   {ds} bs={bs}: {fig['output_tokens']} tokens in "
+                        f"{elapsed:.1f} s, {_fmt('tokens_per_s', fig['tokens_per_s'])} tok/s, "
+                        f"S {_fmt('step_compression', fig['step_compression'])}",
+                        file=sys.stderr)
+                except Exception:
+                    section["error"] = traceback.format_exc()
+                    tqdm.write(f"   {ds} bs={bs}: error {_short_error(section['error'])}",
+                               file=sys.stderr)
+                result["sections"].append(section)
+                result["peak_rss_mb"] = _peak_rss_mb()
+                _write_json(out, result)  # partial results survive a later crash
+    except BaseException:
+        result["error"] = traceback.format_exc()
+    if cfg.get("turn"):
+        Turns(cfg["turn"]).finish()
+    result["peak_rss_mb"] = _peak_rss_mb()
+    _write_json(out, result)
+    # Skip interpreter teardown: vLLM's atexit/GC of an in-process engine can
+    # hang or crash after the results are safely on disk.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if result["error"] is None else 1)

