@@ -1,4 +1,5 @@
-"""Unit tests of the user-facing configuration (vllm_lookahead.config)."""
+"""Unit tests of the user-facing configuration (vllm_lookahead.config) and
+of how a speculative config selects it (vllm_lookahead.spellings)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,17 @@ import dataclasses
 import pytest
 
 from vllm_lookahead.config import (
-    METHOD,
-    PASSTHROUGH_KEYS,
-    PROPOSER_QUALNAME,
     LookaheadConfig,
     LookaheadConfigError,
     RequestSettings,
+    request_settings,
+)
+from vllm_lookahead.spellings import (
+    METHOD,
+    PASSTHROUGH_KEYS,
+    PROPOSER_QUALNAME,
     is_lookahead,
     merge_spec_flags,
-    request_settings,
     split_speculative_config,
 )
 

@@ -17,15 +17,8 @@ from vllm_lookahead.acceptance import (
     RequestAcceptance,
     geometric_gain,
 )
-from vllm_lookahead.cost_model import (
-    CostCache,
-    CostCurve,
-    CostModel,
-    bucket_of,
-    cache_key,
-    load_curve,
-    measure_curve,
-)
+from vllm_lookahead.cost_cache import CostCache, cache_key, load_curve
+from vllm_lookahead.cost_model import CostCurve, CostModel, bucket_of, measure_curve
 from vllm_lookahead.planner import OFF, BestCase, Planner, RequestView, Shape
 
 # -- synthetic machines ----------------------------------------------------------
@@ -382,7 +375,7 @@ def test_corrupt_or_foreign_cache_is_ignored_with_a_warning(tmp_path, caplog):
     for name, text in bad.items():
         path.write_text(text)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="vllm.vllm_lookahead.cost_model"):
+        with caplog.at_level(logging.WARNING, logger="vllm.vllm_lookahead.cost_cache"):
             assert cache.load(key) is None, name
         assert "ignoring" in caplog.text, name
     assert load_curve(tmp_path / "missing.json") is None
@@ -393,7 +386,7 @@ def test_load_probe_sees_another_busy_process():
     import sys
     import time
 
-    from vllm_lookahead.cost_model import LoadProbe
+    from vllm_lookahead.machine import LoadProbe
 
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:

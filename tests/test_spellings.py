@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_lookahead.config import PROPOSER_QUALNAME
+from vllm_lookahead.spellings import PROPOSER_QUALNAME
 
 #: (EngineArgs keyword arguments, expected N, expected draft length)
 ENGINE_SPELLINGS = [

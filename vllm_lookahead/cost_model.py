@@ -8,9 +8,9 @@ asks a :class:`CostModel`, built from
 
 * a :class:`CostCurve` measured when the engine starts (the real model's
   step, in the shape a lookahead step has: a few query tokens per request
-  over a cached prefix), cached on disk by :class:`CostCache` under a key of
-  model, dtype, parallel sizes, hardware and vLLM version, so a restart
-  reuses it; and
+  over a cached prefix), cached on disk by :class:`~.cost_cache.CostCache`
+  under a key of model, dtype, parallel sizes, hardware and vLLM version,
+  so a restart reuses it; and
 * a running correction from the step times the engine actually sees
   (:meth:`CostModel.observe`), per batch bucket.
 
@@ -24,20 +24,16 @@ Units: seconds per engine step; ``tokens`` is query tokens *per request*
 from __future__ import annotations
 
 import bisect
-import hashlib
-import json
-import logging
 import math
-import os
-import platform
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
-logger = logging.getLogger("vllm.vllm_lookahead.cost_model")
+# Re-exported for callers that take them from here (demo.py, benchmarks/).
+from vllm_lookahead.machine import hardware_id, machine_busy_s  # noqa: F401
 
-#: Format version of the cache files; a file of another version is ignored.
+#: Format version of the cache files (a :meth:`CostCurve.to_dict` with its
+#: key, :mod:`.cost_cache`); a file of another version is ignored.
 CACHE_VERSION = 1
 #: Query tokens per request the engine-start ladder measures.
 TOKEN_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64)
@@ -314,139 +310,3 @@ class CostModel:
                          for b, pts in self.curve.points.items()},
             "correction": corr,
         }
-
-
-def machine_busy_s() -> float | None:
-    """CPU seconds all processes of the machine have been busy (Linux
-    ``/proc/stat``), or None where that cannot be read."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if not fields or fields[0] != "cpu":
-        return None
-    # user nice system idle iowait irq softirq steal ...
-    vals = [int(x) for x in fields[1:9]]
-    busy = vals[0] + vals[1] + vals[2] + vals[5] + vals[6] + vals[7]
-    return busy / (os.sysconf("SC_CLK_TCK") or 100)
-
-
-class LoadProbe:
-    """Other processes' CPU load while something runs: machine-wide busy
-    time minus this process's own CPU time, in cores (0 where unknown)."""
-
-    def __enter__(self) -> "LoadProbe":
-        self._busy, self._own, self._t = machine_busy_s(), time.process_time(), time.perf_counter()
-        self.cores = 0.0
-        return self
-
-    def __exit__(self, *exc) -> None:
-        busy = machine_busy_s()
-        wall = time.perf_counter() - self._t
-        if busy is None or self._busy is None or wall <= 0:
-            return
-        other = (busy - self._busy) - (time.process_time() - self._own)
-        self.cores = max(0.0, other / wall)
-
-
-# -- on-disk cache ---------------------------------------------------------------
-
-def hardware_id() -> dict:
-    """What the cost of a step depends on, besides the model: the CPU model
-    and its instruction-set flags (or the GPU's name), and the cores."""
-    hw = {"machine": platform.machine(), "cores": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            info = f.read()
-        for line in info.splitlines():
-            key, _, val = line.partition(":")
-            key = key.strip()
-            if key == "model name" and "cpu" not in hw:
-                hw["cpu"] = val.strip()
-            elif key == "flags" and "flags_sha1" not in hw:
-                flags = " ".join(sorted(val.split()))
-                hw["flags_sha1"] = hashlib.sha1(flags.encode()).hexdigest()[:16]
-    except OSError:
-        hw["cpu"] = platform.processor() or "unknown"
-    return hw
-
-
-def cache_key(model: str, dtype: str, tensor_parallel: int, pipeline_parallel: int,
-              vllm_version: str, device: str, extra: dict | None = None) -> dict:
-    """The key a cached curve is valid under."""
-    return {
-        "model": str(model),
-        "dtype": str(dtype),
-        "tensor_parallel": int(tensor_parallel),
-        "pipeline_parallel": int(pipeline_parallel),
-        "vllm": str(vllm_version),
-        "device": str(device),
-        "hardware": hardware_id() if device == "cpu" else {"gpu": device},
-        **(extra or {}),
-    }
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("VLLM_LOOKAHEAD_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "vllm-lookahead")
-    return Path(base) / "cost"
-
-
-class CostCache:
-    """Cost curves on disk, one JSON file per key (named by its hash).
-
-    A file that does not parse, holds another key or another format version
-    is ignored with a warning: it never stops the engine.
-    """
-
-    def __init__(self, directory: str | os.PathLike | None = None) -> None:
-        self.dir = Path(directory) if directory is not None else default_cache_dir()
-
-    @staticmethod
-    def _digest(key: dict) -> str:
-        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-
-    def path(self, key: dict) -> Path:
-        return self.dir / f"cost-{self._digest(key)}.json"
-
-    def load(self, key: dict) -> CostCurve | None:
-        return load_curve(self.path(key), key)
-
-    def save(self, key: dict, curve: CostCurve) -> Path | None:
-        path = self.path(key)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"version": CACHE_VERSION, "key": key,
-                                       "curve": curve.to_dict()}, indent=1))
-            os.replace(tmp, path)
-            return path
-        except OSError as e:
-            logger.warning("Lookahead: could not write the cost curve to %s: %s", path, e)
-            return None
-
-
-def load_curve(path: str | os.PathLike, key: dict | None = None) -> CostCurve | None:
-    """A curve from a file written by :class:`CostCache` (or by hand:
-    ``{"version": 1, "curve": {"1": [[1, 0.05], [16, 0.07]]}}``). With
-    ``key``, the file's key must equal it. None, with a warning, for a
-    missing key match, a corrupt file or one of another version; None
-    silently for a missing file."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        logger.warning("Lookahead: ignoring unreadable cost curve %s: %s", path, e)
-        return None
-    try:
-        if data.get("version") != CACHE_VERSION:
-            raise ValueError(f"format version {data.get('version')!r}, want {CACHE_VERSION}")
-        if key is not None and data.get("key") != key:
-            raise ValueError("it was measured for another model, dtype or machine")
-        return CostCurve.from_dict(data["curve"])
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-        logger.warning("Lookahead: ignoring cost curve %s: %s", path, e)
-        return None

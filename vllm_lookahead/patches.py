@@ -103,10 +103,9 @@ def apply() -> None:
 def _patch_engine_args() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_lookahead.config import (
-        ADDITIONAL_CONFIG_KEY,
+    from vllm_lookahead.config import ADDITIONAL_CONFIG_KEY, LookaheadConfigError
+    from vllm_lookahead.spellings import (
         SPEC_FLAGS,
-        LookaheadConfigError,
         is_lookahead,
         merge_spec_flags,
         split_speculative_config,
@@ -168,7 +167,7 @@ def _lookahead_cli_spellings(parser) -> None:
     the built-in methods only) and ``--speculative-model`` as a second name
     of ``--spec-model``. Leaves the parser alone where vLLM's flags are not
     there (another subcommand's parser)."""
-    from vllm_lookahead.config import METHOD
+    from vllm_lookahead.spellings import METHOD
 
     actions = parser._option_string_actions
     method = actions.get("--spec-method")

@@ -53,7 +53,7 @@ def _guard_unsupported(version: str) -> None:
         from vllm.engine.arg_utils import EngineArgs
     except Exception:  # pragma: no cover - nothing we can guard
         return
-    from vllm_lookahead.config import is_lookahead, merge_spec_flags
+    from vllm_lookahead.spellings import is_lookahead, merge_spec_flags
 
     orig = getattr(EngineArgs, "create_speculative_config", None)
     if orig is None:

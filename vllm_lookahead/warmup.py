@@ -6,7 +6,7 @@
   parallel sizes, hardware and vLLM version; measured (and cached) if there
   is none;
 * ``"measure"``: measured at every start (and cached);
-* a path to a JSON file (as :class:`~.cost_model.CostCache` writes them):
+* a path to a JSON file (as :class:`~.cost_cache.CostCache` writes them):
   that curve, whatever the machine;
 * ``"off"``: nothing measured; the planner assumes each query token adds
   :data:`ASSUMED_PER_TOKEN` of a one-token step, and corrects only the scale
@@ -24,17 +24,15 @@ import time
 
 from vllm.logger import init_logger
 
+from vllm_lookahead.cost_cache import CostCache, cache_key, load_curve
 from vllm_lookahead.cost_model import (
     BATCH_LADDER,
     TOKEN_LADDER,
-    CostCache,
     CostCurve,
     CostModel,
-    LoadProbe,
-    cache_key,
-    load_curve,
     measure_curve,
 )
+from vllm_lookahead.machine import LoadProbe
 
 logger = init_logger("vllm." + __name__)
 
