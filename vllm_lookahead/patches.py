@@ -81,6 +81,10 @@ from __future__ import annotations
 
 import functools
 
+# The name of the worker method added by _add_worker_stats_method (kept in
+# stats.py, which calls it; imported here by tests and tools too).
+from vllm_lookahead.stats import WORKER_STATS_METHOD
+
 _APPLIED = False
 
 
@@ -297,10 +301,6 @@ def _validation_error(message: str) -> Exception:
         return LookaheadRequestError(message, parameter="extra_args")
     except TypeError:  # pragma: no cover
         return LookaheadRequestError(message)
-
-
-#: Name of the worker method added by :func:`_add_worker_stats_method`.
-WORKER_STATS_METHOD = "lookahead_stats"
 
 
 def _add_worker_stats_method() -> None:

@@ -14,6 +14,11 @@ from dataclasses import asdict, dataclass, field
 
 from vllm_lookahead.state import SOURCES
 
+#: Name of the worker method :mod:`vllm_lookahead.patches` adds to vLLM's
+#: workers (``WorkerBase.lookahead_stats`` = :func:`worker_stats`), called
+#: through ``collective_rpc``.
+WORKER_STATS_METHOD = "lookahead_stats"
+
 #: How a request ran a step: a tree, a draft without tree, neither.
 ARMS = ("tree", "pool", "off")
 
@@ -131,8 +136,6 @@ def get_lookahead_stats(llm) -> dict:
     Raises:
         RuntimeError: the engine does not run lookahead decoding.
     """
-    from vllm_lookahead.patches import WORKER_STATS_METHOD
-
     results = llm.collective_rpc(WORKER_STATS_METHOD)
     found = [r for r in results if r is not None]
     if not found:

@@ -1,0 +1,359 @@
+"""Unit tests of per-request drafting (vllm_lookahead.drafting), the one tree
+builder (vllm_lookahead.trees) and one step's drafts (vllm_lookahead.step),
+without an engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_lookahead.acceptance import AcceptancePrior
+from vllm_lookahead.attn_mask import build_tree, fill_tree_tokens, tree_size
+from vllm_lookahead.config import LookaheadConfig, RequestSettings
+from vllm_lookahead.drafting import (
+    Live,
+    account,
+    best_confirmed,
+    candidates,
+    harvest,
+    jacobi_step,
+    lookup,
+    new_state,
+    unchecked_draft,
+)
+from vllm_lookahead.state import SOURCE_MODEL, SOURCE_PROMPT, SOURCE_WINDOW, JacobiWindow
+from vllm_lookahead.stats import LookaheadStats
+from vllm_lookahead.step import StepDrafter
+from vllm_lookahead.trees import PlannedTree, TreeAsk, plan_trees
+
+
+def _state(n=4, w=3, g=3, prompt=(1, 2, 3, 4, 5), max_tokens=None):
+    tokens = np.asarray(prompt, dtype=np.int32)
+    return new_state(RequestSettings(ngram_size=n, window_size=w, guess_set_size=g), tokens,
+                     len(tokens), len(tokens), max_tokens, False, 0, AcceptancePrior(max_cands=g))
+
+
+# -- new_state -----------------------------------------------------------------
+
+
+def test_new_state_window_from_prompt_deterministic():
+    a = _state(prompt=(11, 12, 13, 14))
+    b = _state(prompt=(11, 12, 13, 14))
+    assert a.window.levels.shape == (3, 3)
+    assert set(a.window.levels.ravel().tolist()) <= {11, 12, 13, 14}
+    np.testing.assert_array_equal(a.window.levels, b.window.levels)
+    assert a.pool.cap == 3 and a.num_prompt_tokens == 4 and a.acc is not None
+
+
+def test_new_state_window_uses_prompt_only():
+    tokens = np.array([5, 5, 5, 9, 9, 9], dtype=np.int32)
+    s = new_state(RequestSettings(ngram_size=3, window_size=4, guess_set_size=2), tokens, 6, 3,
+                  None, True, 1, AcceptancePrior(max_cands=2))
+    assert set(s.window.levels.ravel().tolist()) == {5}
+    assert s.seeded and s.num_prompt_tokens == 3
+
+
+# -- lookup --------------------------------------------------------------------
+
+
+def test_lookup_takes_the_longest_earlier_suffix():
+    s = _state()
+    # the 3-token suffix (7, 8, 9) was followed by 50, 51; the 2-token suffix
+    # (8, 9) more recently by 60, 61
+    toks = np.array([7, 8, 9, 50, 51, 52, 8, 9, 60, 61, 1, 7, 8, 9], dtype=np.int32)
+    draft = lookup(s, toks, len(toks), room=2, prompt_pool=True)
+    assert draft == [50, 51]
+    assert s.lookup_kind == "suffix3"
+    assert s.lookup_sources == [SOURCE_PROMPT] * 2
+
+
+def test_lookup_falls_back_to_the_pool_most_seen_then_newest():
+    s = _state()
+    s.pool.add(9, (1, 2, 3), SOURCE_WINDOW)
+    s.pool.add(9, (4, 5, 6), SOURCE_PROMPT)
+    s.pool.add(9, (1, 2, 3), SOURCE_WINDOW)  # seen twice
+    s.pool.add(9, (7, 7, 7), SOURCE_PROMPT)  # newest, seen once
+    toks = np.array([40, 41, 42, 9], dtype=np.int32)  # no earlier suffix
+    assert lookup(s, toks, 4, room=2, prompt_pool=True) == [1, 2]
+    assert s.lookup_kind == "pool" and s.lookup_sources == [SOURCE_WINDOW] * 2
+    # prompt pool off: the pool even where a suffix matches
+    toks = np.array([8, 9, 30, 8, 9], dtype=np.int32)
+    assert lookup(s, toks, 5, room=5, prompt_pool=False) == [1, 2, 3]
+    assert s.lookup_kind == "pool"
+
+
+def test_lookup_without_room_looks_up_n_tokens_and_empty_without_match():
+    s = _state(n=3)
+    toks = np.array([1, 2, 3, 4, 5, 6, 1, 2], dtype=np.int32)
+    assert lookup(s, toks, len(toks), room=0, prompt_pool=True) == [3, 4, 5]
+    assert lookup(s, np.array([1, 2, 3], dtype=np.int32), 3, room=2, prompt_pool=True) == []
+    assert s.lookup_sources == [] and s.lookup_kind == "pool"
+
+
+def test_unchecked_draft_takes_k_tokens_of_the_lookup():
+    s, st = _state(), LookaheadStats()
+    s.lookup, s.lookup_sources, s.draft_checked = [4, 5, 6], [SOURCE_PROMPT] * 3, True
+    assert unchecked_draft(s, 2, st) == [4, 5]
+    assert s.draft_sources == [SOURCE_PROMPT] * 2 and not s.draft_checked
+    assert st.unchecked_drafts == 1
+    s.lookup = []
+    assert unchecked_draft(s, 2, st) == [] and st.unchecked_drafts == 1
+
+
+# -- candidates ----------------------------------------------------------------
+
+
+def test_candidates_led_by_a_new_suffix_continuation():
+    s = _state(n=3, g=2)
+    s.pool.add(9, (1, 1), SOURCE_WINDOW)
+    s.pool.add(9, (2, 2), SOURCE_WINDOW)
+    text = np.array([5, 9, 70, 71, 3, 5, 9], dtype=np.int32)
+    got = candidates(s, text, prompt_pool=True)
+    assert got == [((70, 71), 1, SOURCE_PROMPT), ((2, 2), 1, SOURCE_WINDOW)]
+    assert candidates(s, text, prompt_pool=False) == [((2, 2), 1, SOURCE_WINDOW),
+                                                      ((1, 1), 1, SOURCE_WINDOW)]
+    s.pool.add(9, (70, 71), SOURCE_PROMPT)  # known already: not repeated
+    assert [c for c, _, _ in candidates(s, text, prompt_pool=True)] == [(70, 71), (2, 2)]
+
+
+# -- trees ---------------------------------------------------------------------
+
+
+def _ask(n=4, w=3, g=2, root=7, root_pos=20, expect=()):
+    levels = np.arange(100, 100 + (n - 1) * max(w, 1), dtype=np.int32).reshape(n - 1, -1)
+    cands = [(tuple(range(10 * c + 1, 10 * c + n)), 1, SOURCE_PROMPT) for c in range(g)]
+    return TreeAsk(ngram_size=n, window=w, cands=cands, root=root, root_pos=root_pos,
+                   levels=levels, expect=list(expect))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_plan_trees_builds_layout_tokens_positions(fused):
+    expect = [3, 4, 7] if fused else []
+    ask = _ask(expect=expect)
+    (tree,), use_window = plan_trees([ask], 0, 1000)
+    assert use_window
+    assert isinstance(tree, PlannedTree)
+    layout = build_tree(4, 3, 2)
+    np.testing.assert_array_equal(tree.layout.mask, layout.mask)
+    cands = np.array([c for c, _, _ in ask.cands], dtype=np.int32)
+    np.testing.assert_array_equal(tree.tokens, fill_tree_tokens(layout, 7, ask.levels, cands))
+    assert tree.tokens[0] == tree.root == 7
+    np.testing.assert_array_equal(tree.positions, 20 + layout.depth)
+    assert tree.positions.dtype == np.int64 and tree.tokens.dtype == np.int32
+    assert tree.root_pos == 20 and tree.window and tree.cands == ask.cands
+    assert tree.expect == expect and tree.num_scheduled == len(expect)
+
+
+def test_plan_trees_fits_the_budget_windows_first_then_candidates():
+    asks = [_ask(g=3), _ask(g=3)]
+    full = tree_size(4, 3, 3)
+    trees, use_window = plan_trees(asks, 2 * full, 1000)
+    assert use_window and all(t.layout.window_size == 3 and len(t.cands) == 3 for t in trees)
+    trees, use_window = plan_trees(asks, 20, 1000)  # no windows, 2 x (1 + 3 * 3) = 20
+    assert not use_window
+    assert all(not t.window and t.layout.window_size == 0 and len(t.cands) == 3 for t in trees)
+    trees, use_window = plan_trees(asks, 10, 1000)  # 2 x (1 + 3 * 1) = 8
+    assert not use_window and [len(t.cands) for t in trees] == [1, 1]
+    assert trees[0].cands == asks[0].cands[:1]
+    trees, use_window = plan_trees(asks, 7, 1000)  # not even one candidate each
+    assert not use_window and trees == [None, None]
+
+
+def test_plan_trees_no_tree_without_window_or_candidates():
+    (tree,), use_window = plan_trees([_ask(w=0, g=0)], 0, 1000)
+    assert tree is None and use_window
+    trees, _ = plan_trees([_ask(w=3, g=0), _ask(w=0, g=1)], 0, 1000)
+    assert trees[0].window and not trees[0].cands
+    assert not trees[1].window and trees[1].layout.num_nodes == 1 + 3
+
+
+def test_plan_trees_leaves_out_a_tree_reaching_max_model_len():
+    depth = int(build_tree(4, 3, 2).depth.max())  # window: the deepest column
+    assert depth == 2 + 2
+    (tree,), _ = plan_trees([_ask(root_pos=50 - depth)], 0, 50)
+    assert tree is None
+    (tree,), _ = plan_trees([_ask(root_pos=49 - depth)], 0, 50)
+    assert tree is not None and tree.positions.max() == 49
+    # the cut is per request, after the step's budget
+    trees, _ = plan_trees([_ask(root_pos=10), _ask(root_pos=50 - depth)], 0, 50)
+    assert trees[0] is not None and trees[1] is None
+
+
+# -- reading a tree ------------------------------------------------------------
+
+
+def _cand_tree(cands):
+    s = _state(n=3, w=0, g=len(cands))
+    layout = build_tree(3, 0, len(cands))
+    return s, layout, [(tuple(c), cnt, src) for c, cnt, src in cands]
+
+
+def test_best_confirmed_takes_the_longest_confirmed_candidate():
+    s, layout, cands = _cand_tree([((5, 6), 1, SOURCE_WINDOW), ((5, 8), 1, SOURCE_PROMPT)])
+    pred = np.zeros(layout.num_nodes, dtype=np.int64)
+    pred[0] = 5  # after the root: 5 (both candidates' first token)
+    pred[layout.cand_index[0][0]] = 9  # after (5): 9, candidate 0's 6 is wrong
+    pred[layout.cand_index[1][0]] = 8  # candidate 1's 8 is right
+    pred[layout.cand_index[1][1]] = 42  # the model's token after (5, 8)
+    assert best_confirmed(s, layout, cands, pred) == [5, 8, 42]
+    assert s.draft_sources == [SOURCE_PROMPT, SOURCE_PROMPT, SOURCE_MODEL]
+
+
+def test_best_confirmed_ties_most_seen_then_newest_and_none_confirmed():
+    s, layout, cands = _cand_tree([((5, 6), 1, SOURCE_WINDOW), ((5, 7), 3, SOURCE_PROMPT),
+                                   ((5, 1), 3, SOURCE_WINDOW)])
+    pred = np.full(layout.num_nodes, 99, dtype=np.int64)
+    pred[0] = 5
+    pred[layout.cand_index[1][0]] = 31
+    pred[layout.cand_index[2][0]] = 32
+    # all confirm one token; candidates 1 and 2 seen 3 times; 1 is newer
+    assert best_confirmed(s, layout, cands, pred) == [5, 31]
+    assert s.draft_sources == [SOURCE_PROMPT, SOURCE_MODEL]
+    pred[0] = 4  # nothing confirmed: the model's own next token
+    assert best_confirmed(s, layout, cands, pred) == [4]
+    assert s.draft_sources == [SOURCE_MODEL]
+
+
+def test_jacobi_step_harvests_only_when_warm_and_shifts():
+    s = _state(n=3, w=2)
+    s.window = JacobiWindow(3, 2, np.array([1, 2, 3, 4], dtype=np.int32))
+    layout = build_tree(3, 2, 0)
+    pred = np.zeros(layout.num_nodes, dtype=np.int64)
+    pred[layout.newest_level] = [8, 9]
+    jacobi_step(s, layout, 7, pred)  # cold (random levels): no harvest
+    assert len(s.pool) == 0
+    assert s.window.steps == 1 and s.window.levels.tolist() == [[4, 2], [8, 9]]
+    pred[layout.newest_level] = [10, 11]
+    jacobi_step(s, layout, 7, pred)  # N=3: warm after one step
+    # columns (B0[j], B1[j], new[j]) with B0 = (root, L0[0])
+    assert s.pool.get(7) == [((8, 10), 1, SOURCE_WINDOW)]
+    assert s.pool.get(4) == [((9, 11), 1, SOURCE_WINDOW)]
+    assert s.window.steps == 2 and s.window.levels[-1].tolist() == [10, 11]
+
+
+def test_harvest_only_where_vllm_sampled_the_expected_text():
+    s = _state(n=3, w=2, g=1)
+    ask = TreeAsk(ngram_size=3, window=2, cands=[((5, 6), 1, SOURCE_PROMPT)], root=7,
+                  root_pos=30, levels=s.window.levels, expect=[3, 7])
+    (plan,), _ = plan_trees([ask], 0, 1000)
+    pred = np.zeros(plan.layout.num_nodes, dtype=np.int64)
+    pred[0] = 5
+    pred[plan.layout.cand_index[0]] = [6, 11]
+    levels = s.window.levels.copy()
+    assert harvest(s, plan, pred, [3, 8]) == []
+    np.testing.assert_array_equal(s.window.levels, levels)  # untouched
+    assert harvest(s, plan, pred, [3, 7]) == [5, 6, 11]
+    assert s.window.steps == 1
+
+
+# -- accounting ----------------------------------------------------------------
+
+
+def test_account_counts_accepted_by_source_and_caps_at_max_tokens():
+    st = LookaheadStats()
+    s = _state(prompt=(1, 2, 3, 4, 5), max_tokens=4)
+    s.draft_sources = [SOURCE_WINDOW, SOURCE_PROMPT, SOURCE_MODEL]
+    s.draft_checked = True
+    s.lookup, s.lookup_kind = [9, 9], "pool"
+    # 3 sampled: 2 draft tokens accepted; the request had 2 output tokens
+    # before, so only 2 of the 3 count (max_tokens 4)
+    account(s, st, [10, 11, 12], num_tokens=5 + 2 + 3)
+    assert st.decode_steps == 1 and st.generated_tokens == 2 and st.accepted_tokens == 2
+    assert st.accepted_by_source == {SOURCE_WINDOW: 1, SOURCE_PROMPT: 1, SOURCE_MODEL: 0}
+    assert s.draft_sources == [] and s.lookup == [] and not s.draft_checked
+    # no cap: every sampled token counts; nothing drafted, nothing accepted
+    s.max_tokens = None
+    account(s, st, [13, 14], num_tokens=12)
+    assert st.generated_tokens == 4 and st.accepted_tokens == 2 and st.decode_steps == 2
+    # past max_tokens: nothing counts as generated
+    s.max_tokens = 1
+    account(s, st, [15], num_tokens=13)
+    assert st.generated_tokens == 4
+
+
+def test_account_learns_checked_acceptance_only_for_checked_drafts():
+    s = _state()
+    before = (s.acc.checked.hits, s.acc.checked.misses)
+    s.draft_sources, s.draft_checked = [SOURCE_PROMPT] * 2, False
+    account(s, LookaheadStats(), [1, 2, 3], num_tokens=8)
+    assert (s.acc.checked.hits, s.acc.checked.misses) == before
+    s.draft_sources, s.draft_checked = [SOURCE_PROMPT] * 2, True
+    account(s, LookaheadStats(), [1, 2], num_tokens=10)  # 1 of 2 accepted
+    assert s.acc.checked.misses > before[1] * 0.9
+
+
+# -- one step ------------------------------------------------------------------
+
+
+def _step(mode, **cfg):
+    cfg = LookaheadConfig(ngram_size=3, window_size=2, guess_set_size=2, mode=mode,
+                          adaptive=False, **cfg)
+    stats = LookaheadStats()
+    return StepDrafter(cfg, mode == "fused", 1000, stats, AcceptancePrior(max_cands=2)), stats
+
+
+def _live_request(text, n=3, w=2, g=2):
+    tokens = np.zeros((1, 64), dtype=np.int32)
+    tokens[0, : len(text)] = text
+    s = new_state(RequestSettings(ngram_size=n, window_size=w, guess_set_size=g), tokens[0],
+                  len(text), len(text), None, False, 0, AcceptancePrior(max_cands=g))
+    return s, tokens
+
+
+def test_separate_step_runs_one_pass_and_drafts_the_checked_chain():
+    step, stats = _step("separate")
+    text = [4, 5, 6, 9, 4, 5]
+    s, tokens = _live_request(text)
+    calls = []
+
+    def run_trees(rows):
+        calls.append(rows)
+        (i, tree), = rows
+        assert i == 0 and tree.root == 5 and tree.root_pos == len(text) - 1
+        pred = np.full(tree.layout.num_nodes, 1, dtype=np.int64)
+        pred[0] = 6  # the prompt's continuation (6, 9) of (4, 5): confirmed
+        c = next(c for c, (cont, _, _) in enumerate(tree.cands) if cont == (6, 9))
+        pred[tree.layout.cand_index[c]] = [9, 77]
+        return [pred]
+
+    drafts, planned = step.run([Live(0, s, len(text), 3, [])], 1, 1, 3, True, tokens, run_trees)
+    assert len(calls) == 1 and planned is None
+    assert drafts == [[6, 9, 77]]
+    assert s.draft_checked and s.draft_sources == [SOURCE_PROMPT, SOURCE_PROMPT, SOURCE_MODEL]
+    assert stats.lookahead_passes == 1 and stats.pass_requests == 1
+    assert stats.drafts == 1 and stats.draft_tokens == 3 and stats.arm_steps["tree"] == 1
+
+
+def test_fused_step_catches_up_then_plans_the_next_tree_after_the_draft():
+    step, stats = _step("fused")
+    text = [4, 5, 6, 9, 4, 5]
+    s, tokens = _live_request(text)
+
+    def run_trees(rows):
+        (_, tree), = rows
+        pred = np.full(tree.layout.num_nodes, 1, dtype=np.int64)
+        pred[0] = 6
+        c = next(c for c, (cont, _, _) in enumerate(tree.cands) if cont == (6, 9))
+        pred[tree.layout.cand_index[c]] = [9, 77]
+        return [pred]
+
+    drafts, _ = step.run([Live(0, s, len(text), 3, [])], 1, 1, 3, True, tokens, run_trees)
+    # the catch-up chain (6, 9, 77): draft (6, 9), the tree rooted at 77
+    assert stats.catch_up_requests == 1 and drafts == [[6, 9]]
+    plan = s.plan
+    assert plan.expect == [6, 9, 77] and plan.num_scheduled == 3
+    assert plan.root == 77 and plan.root_pos == len(text) + 2
+    assert plan.tokens[0] == 77 and plan.positions[0] == plan.root_pos
+
+
+def test_step_budget_too_small_falls_back_to_the_unchecked_lookup():
+    step, stats = _step("separate", max_tree_tokens=1)
+    text = [4, 5, 6, 9, 4, 5]
+    s, tokens = _live_request(text)
+
+    def run_trees(rows):  # pragma: no cover - must not run
+        raise AssertionError(rows)
+
+    drafts, _ = step.run([Live(0, s, len(text), 3, [])], 1, 1, 3, True, tokens, run_trees)
+    assert drafts == [[6, 9, 4]] and not s.draft_checked
+    assert stats.unchecked_drafts == 1 and stats.steps_window_off == 1

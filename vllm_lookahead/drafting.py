@@ -1,0 +1,216 @@
+"""Per-request drafting: what one request's lookahead state does in a step.
+
+Pure logic over :class:`~vllm_lookahead.state.RequestState` (numpy only, no
+vLLM): building a request's state, booking a step's outcome, the Jacobi
+window's harvest (where the window and the pool change), the candidates a
+tree checks and the chain it confirms, and the unchecked draft (prompt
+lookup, then the pool). A request's tree is built in :mod:`.trees`; which
+request runs what is decided in :mod:`.step` (shapes by :mod:`.planner`);
+vLLM's side is :mod:`.proposer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_lookahead.acceptance import RequestAcceptance
+from vllm_lookahead.attn_mask import TreeLayout
+from vllm_lookahead.state import (
+    SOURCE_MODEL,
+    SOURCE_PROMPT,
+    SOURCE_WINDOW,
+    JacobiWindow,
+    NGramPool,
+    RequestState,
+    choose_candidate,
+    request_seed,
+    suffix_lookup,
+    suffix_match,
+)
+from vllm_lookahead.trees import PlannedTree
+
+
+@dataclass
+class Live:
+    """A request decoding this step."""
+
+    i: int  # batch index (row of the step's token array)
+    state: RequestState
+    n_tok: int  # tokens of the request (the newest one not cached yet)
+    room: int  # longest draft vLLM takes now
+    chain: list  # fused: the checked chain the tree of this step left ([]: none)
+
+
+def new_state(settings, tokens: np.ndarray, n_tok: int, num_prompt_tokens: int,
+              max_tokens: int | None, seeded: bool, seed: int, prior) -> RequestState:
+    """A request's state when it first decodes.
+
+    Args:
+        settings: its :class:`~vllm_lookahead.config.RequestSettings`.
+        tokens: int [>= n_tok] its tokens; ``n_tok`` of them are valid.
+        num_prompt_tokens: its prompt length (the window is initialised
+            from the prompt's tokens, at least one).
+        max_tokens: its output cap (``SamplingParams.max_tokens``), if any.
+        seeded: a sampled request with its own seed (planned from its text).
+        seed: the engine's base seed (``LookaheadConfig.seed``).
+        prior: the engine's :class:`~vllm_lookahead.acceptance.AcceptancePrior`.
+    """
+    prompt = tokens[: max(min(num_prompt_tokens, n_tok), 1)]
+    window = JacobiWindow.random_init(
+        settings.ngram_size, settings.window_size, prompt, request_seed(seed, prompt)
+    )
+    return RequestState(
+        window=window,
+        pool=NGramPool(settings.guess_set_size),
+        num_prompt_tokens=num_prompt_tokens,
+        max_tokens=max_tokens,
+        settings=settings,
+        acc=RequestAcceptance(prior),
+        seeded=seeded,
+    )
+
+
+def account(state: RequestState, stats, sampled: list[int], num_tokens: int) -> None:
+    """Book last step's draft outcome into ``stats`` (a
+    :class:`~vllm_lookahead.stats.LookaheadStats`): ``len(sampled) - 1``
+    draft tokens were accepted (the last sampled token is the verifier's
+    own), and learn the acceptance of checked drafts and of the unchecked
+    lookup (from the text, whatever was drafted). Tokens past ``max_tokens``
+    (which vLLM's scheduler drops) are not counted as generated; tokens past
+    a stop string or EOS in the final step are. ``num_tokens``: the
+    request's tokens, the sampled ones included."""
+    st = stats
+    num_sampled = len(sampled)
+    st.decode_steps += 1
+    useful = num_sampled
+    if state.max_tokens is not None:
+        before = num_tokens - num_sampled - state.num_prompt_tokens
+        useful = max(0, min(num_sampled, state.max_tokens - before))
+    st.generated_tokens += useful
+    accepted = min(num_sampled - 1, len(state.draft_sources))
+    st.accepted_tokens += accepted
+    for src in state.draft_sources[:accepted]:
+        st.accepted_by_source[src] += 1
+    if state.draft_checked and state.draft_sources:
+        state.acc.observe_checked(len(state.draft_sources), accepted)
+    if state.lookup:
+        state.acc.observe_unchecked(state.lookup, sampled, state.lookup_kind)
+    state.draft_sources, state.lookup, state.draft_checked = [], [], False
+
+
+def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
+           prompt_pool: bool) -> list[int]:
+    """The unchecked draft of the request's text now (at most ``room``
+    tokens, or N when there is no room, to keep learning its acceptance):
+    the continuation of the text's longest earlier-seen suffix (2-4 tokens,
+    ``prompt_pool`` on), else the pool's most often seen (then newest)
+    continuation of the newest token. ``tokens``: int [>= n_tok] the
+    request's tokens. Sets ``state.lookup_sources`` and
+    ``state.lookup_kind``."""
+    k = room if room > 0 else state.settings.ngram_size
+    draft, source, matched = [], SOURCE_PROMPT, 0
+    if prompt_pool:
+        draft, matched = suffix_match(tokens, n_tok, min(k, state.settings.ngram_size))
+    state.lookup_kind = f"suffix{matched}" if draft else "pool"
+    if not draft:
+        cands = state.pool.get(int(tokens[n_tok - 1]))[: state.settings.guess_set_size]
+        best = choose_candidate([0] * len(cands), [c for _, c, _ in cands])
+        if best >= 0:
+            cont, _, source = cands[best]
+            draft = list(cont)[:k]
+    state.lookup_sources = [source] * len(draft)
+    return draft
+
+
+def unchecked_draft(state: RequestState, k: int, stats) -> list[int]:
+    """Draft the first ``k`` tokens of the request's unchecked lookup
+    (``state.lookup``); counts ``stats.unchecked_drafts``."""
+    draft = state.lookup[:k]
+    state.draft_sources = state.lookup_sources[: len(draft)]
+    state.draft_checked = False
+    stats.unchecked_drafts += bool(draft)
+    return draft
+
+
+def candidates(state: RequestState, text: np.ndarray, prompt_pool: bool) -> list:
+    """The candidates a tree rooted at ``text[-1]`` checks, as
+    ``(continuation, count, source)`` (continuations N-1 tokens): the
+    pool's for that token (newest first, at most G), led by the
+    continuation of the text's longest earlier-seen 2-4 token suffix when
+    ``prompt_pool`` is on and it is new (then at most G in all).
+    ``text``: int [n] the request's text up to and with the root."""
+    g, n = state.settings.guess_set_size, state.settings.ngram_size
+    cands = state.pool.get(int(text[-1]))[:g]
+    if prompt_pool:
+        cont = tuple(suffix_lookup(text, len(text), n - 1))
+        if len(cont) == n - 1 and all(c != cont for c, _, _ in cands):
+            cands = [(cont, 1, SOURCE_PROMPT)] + cands[: g - 1]
+    return cands
+
+
+def jacobi_step(state: RequestState, layout: TreeLayout, root: int, pred: np.ndarray) -> None:
+    """Harvest the window's column n-grams into the pool, then shift.
+
+    ``pred``: int [T] the model's argmax at every node of a tree with the
+    window's nodes (``layout``) rooted at token ``root``."""
+    window = state.window
+    new = pred[layout.newest_level]
+    if window.warm:
+        for key, cont in window.columns(root, new):
+            state.pool.add(key, cont, SOURCE_WINDOW)
+    window.shift(new)
+
+
+def best_confirmed(state: RequestState, layout: TreeLayout, cands,
+                   pred: np.ndarray) -> list[int]:
+    """The checked chain of a tree: the candidate with the longest prefix
+    the argmax chain confirms (``pred[0]`` is the argmax after the root,
+    ``pred[node]`` the argmax after ``node``), then the most often seen,
+    then the newest; plus the argmax after it. At least one token. Learns
+    the tree's acceptance and sets ``state.draft_sources``."""
+    matches, counts = [], []
+    for c, (cont, count, _) in enumerate(cands):
+        nodes = layout.cand_index[c]
+        m = 0
+        expect = int(pred[0])
+        while m < len(cont) and cont[m] == expect:
+            expect = int(pred[nodes[m]])
+            m += 1
+        matches.append(m)
+        counts.append(count)
+    state.acc.observe_tree(matches, [src == SOURCE_WINDOW for _, _, src in cands],
+                           layout.window_size > 0)
+    best = choose_candidate(matches, counts)
+    if best >= 0 and matches[best] > 0:
+        m = matches[best]
+        cont, _, source = cands[best]
+        draft = list(cont[:m])
+        sources = [source] * m
+        draft.append(int(pred[layout.cand_index[best][m - 1]]))
+    else:
+        draft, sources = [int(pred[0])], []
+    sources.append(SOURCE_MODEL)
+    state.draft_sources = sources
+    return draft
+
+
+def read_tree(state: RequestState, tree: PlannedTree, pred: np.ndarray) -> list[int]:
+    """What a tree that ran tells: the window's harvest (if its nodes were
+    in the tree), then the checked chain (:func:`best_confirmed`).
+    ``pred``: int [T] the model's argmax at every node of ``tree``."""
+    if tree.window:
+        jacobi_step(state, tree.layout, tree.root, pred)
+    return best_confirmed(state, tree.layout, tree.cands, pred)
+
+
+def harvest(state: RequestState, plan: PlannedTree, pred: np.ndarray,
+            sampled: list[int]) -> list[int]:
+    """Fused mode: the checked chain from the tree that rode in this step's
+    forward: tokens known to follow the sampled text (greedy: exactly), the
+    last one the model's own prediction; [] if the tree rested on text vLLM
+    did not produce (``sampled != plan.expect``)."""
+    if list(sampled) != plan.expect:
+        return []
+    return read_tree(state, plan, pred)

@@ -1,0 +1,338 @@
+"""One engine step's drafts: which request runs what, in either mode.
+
+Engine-agnostic (no vLLM): :class:`StepDrafter` takes the step's decoding
+requests (:class:`~vllm_lookahead.drafting.Live`, their state up to date)
+and the batch's token array and returns one draft per row; the trees of a
+separate pass run through a callable that :mod:`.proposer` supplies. Per
+request logic is in :mod:`.drafting`, trees are built in :mod:`.trees`,
+shapes are chosen by :mod:`.planner`. Two modes
+(``LookaheadConfig.mode``):
+
+**fused** (default, one target forward per step). At the end of step t each
+request has a *checked chain*: tokens the model itself predicted to follow
+its text, the last being its argmax after the others. The draft is the chain
+minus its last token ``y``; the tree of step t+1 is planned rooted at ``y``,
+right after the draft (see :class:`~vllm_lookahead.trees.PlannedTree`): the
+Jacobi window and the pool's candidates for ``y``. In step t+1 the worker
+appends the tree to vLLM's own query tokens, so it reads the request's KV
+cache -- the draft included -- plus its tree ancestors. After vLLM's
+rejection sampler, if it sampled exactly ``draft + [y]``:
+
+1. the newest window level comes from the argmax at the window's last level;
+   its W column n-grams go into the pool and the window shifts;
+2. the next checked chain is the candidate the argmax chain confirms
+   furthest (then most often seen, then newest) plus the argmax after it.
+
+Otherwise (first step, or a miss) a catch-up pass -- the separate pass below,
+for those requests only -- gives them a checked chain again. Without any tree
+(the token budget) the draft is the pool's unchecked guess.
+
+**separate** (two forwards per step). After sampling, one extra tree-masked
+forward rooted at the newest token (not cached yet) checks every candidate;
+the draft is the best confirmed prefix plus the argmax after it.
+
+Either way vLLM's rejection sampler verifies the draft exactly: the draft
+only decides how many tokens one step can gain, never which tokens come out.
+
+Planning (``adaptive``, default): every step a
+:class:`~vllm_lookahead.planner.Planner` picks each request's shape -- no
+draft, a draft of k tokens, or a tree of w <= W columns and g <= G
+candidates -- for the most expected tokens per second, from the step cost
+measured at start-up (:mod:`.warmup`, corrected from the steps seen) and the
+request's measured acceptance (:mod:`.acceptance`). Seeded sampled requests
+are planned from their text alone. ``max_tree_tokens`` caps the tree tokens
+of a step; with ``disable_batch_size`` requests decoding or more, a step
+runs with no tree and no draft; a quiet batch (:class:`QuietBatches`) skips
+the per-request work.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_lookahead.drafting import Live, candidates, lookup, read_tree, unchecked_draft
+from vllm_lookahead.planner import OFF, BestCase, RequestView, Shape
+from vllm_lookahead.trees import TreeAsk, plan_trees
+
+
+class StepDrafter:
+    """The drafts of one engine step for the batch's decoding requests.
+
+    Args:
+        cfg: the engine's :class:`~vllm_lookahead.config.LookaheadConfig`.
+        fused: fused mode (else separate).
+        max_model_len: no tree node may sit at this position or beyond.
+        stats: the proposer's :class:`~vllm_lookahead.stats.LookaheadStats`.
+        prior: the engine's :class:`~vllm_lookahead.acceptance.AcceptancePrior`.
+    """
+
+    def __init__(self, cfg, fused: bool, max_model_len: int, stats, prior) -> None:
+        self.cfg = cfg
+        self.fused = fused
+        self.max_model_len = max_model_len
+        self.stats = stats
+        self.disable_batch_size = cfg.disable_batch_size or 0
+        #: Planner (``adaptive``), set at warm-up; None: the full tree every step.
+        self.planner = None
+        self.quiet = QuietBatches(stats, prior)
+
+    def run(self, live: list[Live], num_rows: int, num_decoding: int, spec_k: int,
+            joined: bool, token_ids: np.ndarray, run_trees) -> tuple[list, tuple | None]:
+        """Drafts for the step.
+
+        Args:
+            live: the requests that decode with lookahead on.
+            num_rows: rows of the batch; num_decoding: rows that decode
+                (lookahead on or not).
+            spec_k: longest draft vLLM takes at this batch size.
+            joined: whether a request decodes for the first time.
+            token_ids: int [rows, >= n_tok] the batch's tokens.
+            run_trees: ``[(row, PlannedTree)] -> [int [T] argmax per node]``,
+                one tree-masked forward (separate pass).
+
+        Returns:
+            ``(drafts, planned)``: per row its draft (token ids); the step as
+            planned, ``(requests, query tokens per request, any tree)``, to
+            time it (None: not planned).
+        """
+        drafts: list[list[int]] = [[] for _ in range(num_rows)]
+        if self.disable_batch_size and num_decoding >= self.disable_batch_size:
+            self.stats.steps_off += 1
+            for r in live:
+                r.state.draft_sources, r.state.lookup = [], []
+            live = []
+        everyone, live = live, self.quiet.keep(live, spec_k, joined, self.planner)
+        if self.cfg.prompt_pool:
+            for r in live:
+                r.state.add_context_ngrams(token_ids[r.i], r.state.settings.ngram_size, r.n_tok)
+        trees, planned = self._plan(live, drafts, token_ids)
+        if self.fused:
+            # A catch-up pass for tree requests without a checked chain
+            # (first step, or last tree missed): their next draft is checked.
+            rescue = [(r, w, g) for r, w, g in trees if not r.chain and r.room > 0]
+            if rescue:
+                self.stats.catch_up_requests += len(rescue)
+                self._separate_pass(rescue, drafts, token_ids, run_trees, unchecked=False)
+                for r, _, _ in rescue:
+                    r.chain = drafts[r.i]
+                    if not r.chain:  # no tree fitted: the unchecked lookup
+                        drafts[r.i] = unchecked_draft(r.state, r.room, self.stats)
+            self._fused_plan([t for t in trees if t[0].chain], drafts, token_ids)
+        elif trees:
+            self._separate_pass(trees, drafts, token_ids, run_trees)
+        for r in live:
+            drafts[r.i] = drafts[r.i][: max(r.room, 0)]
+            r.state.draft_sources = r.state.draft_sources[: len(drafts[r.i])]
+            if drafts[r.i]:
+                self.stats.drafts += 1
+                self.stats.draft_tokens += len(drafts[r.i])
+        if len(live) < len(everyone):  # a quiet step: time it as planned
+            q = 1 + sum(len(drafts[r.i]) for r in live) / len(everyone)
+            planned = (len(everyone), q, False)
+        return drafts, planned
+
+    # -- planning ------------------------------------------------------------
+    def _plan(self, live: list[Live], drafts, token_ids) -> tuple[list, tuple | None]:
+        """Each live request's shape this step. Drafts without a tree go
+        into ``drafts``. Returns the requests that get a tree, as ``(live,
+        window columns, candidates)``, and the step as planned (planner
+        only, else None)."""
+        if not live:
+            return [], None
+        fixed = self.planner is None  # adaptive off: the full tree every step
+        views = []
+        for r in live:
+            r.state.lookup = lookup(r.state, token_ids[r.i], r.n_tok, r.room, self.cfg.prompt_pool)
+            if not fixed:
+                views.append(_request_view(r, token_ids, self.cfg.prompt_pool))
+        planned = None
+        if fixed:
+            shapes = [Shape("tree", window=r.state.settings.window_size,
+                            cands=r.state.settings.guess_set_size) if r.room > 0 else OFF
+                      for r in live]
+        else:
+            st = self.stats
+            if st.catch_up_requests:
+                runs = st.fused_trees + st.pass_requests
+                self.planner.horizon = max(runs / st.catch_up_requests, 1.0)
+            shapes = self.planner.plan(views, self.cfg.max_tree_tokens)
+            q = sum(sh.query for sh in shapes) / len(shapes)
+            planned = (len(live), q, any(sh.kind == "tree" for sh in shapes))
+        trees = []
+        for r, shape in zip(live, shapes):
+            arm = {"tree": "tree", "draft": "pool", "off": "off"}[shape.kind]
+            self.stats.arm_steps[arm] += 1
+            if not fixed:
+                label = shape.label()
+                self.stats.shape_steps[label] = self.stats.shape_steps.get(label, 0) + 1
+            state = r.state
+            if shape.kind == "tree":
+                trees.append((r, shape.window, shape.cands))
+                continue
+            state.acc.relax()
+            if shape.kind == "off" or r.room <= 0:
+                drafts[r.i] = []
+                state.draft_sources = []
+            elif r.chain:
+                drafts[r.i] = r.chain  # checked by this step's tree (sources set)
+                state.draft_checked = True
+            else:
+                drafts[r.i] = unchecked_draft(state, shape.draft if not fixed else r.room,
+                                              self.stats)
+        return trees, planned
+
+    # -- trees ---------------------------------------------------------------
+    def _fused_plan(self, trees, drafts, token_ids) -> None:
+        """Turn each tree request's checked chain into its draft and plan
+        its tree for the next step (``drafts[i]`` becomes the chain but its
+        last token, the tree's root; ``state.plan`` the tree, if one fits)."""
+        asks = []
+        for r, w, g in trees:
+            state, chain = r.state, r.chain
+            # All but the chain's last token is the draft; the last (the
+            # model's prediction after the draft) roots the tree.
+            k = min(len(chain) - 1, r.room)
+            drafts[r.i] = chain[:k]
+            state.draft_sources = state.draft_sources[:k]
+            state.draft_checked = True
+            expect = chain[: k + 1]
+            text = np.concatenate([token_ids[r.i, : r.n_tok], np.asarray(expect, token_ids.dtype)])
+            asks.append(TreeAsk(
+                ngram_size=state.settings.ngram_size, window=w,
+                cands=candidates(state, text, self.cfg.prompt_pool)[:g],
+                root=expect[-1], root_pos=r.n_tok + k, levels=state.window.levels,
+                expect=expect))
+        if not asks:
+            return
+        planned, use_window = plan_trees(asks, self.cfg.max_tree_tokens, self.max_model_len)
+        if not use_window:
+            self.stats.steps_window_off += 1
+        for (r, _, _), tree in zip(trees, planned):
+            if tree is not None:
+                r.state.plan = tree
+
+    def _separate_pass(self, trees, drafts, token_ids, run_trees, unchecked: bool = True) -> None:
+        """One extra tree-masked forward rooted at each request's newest
+        token; ``drafts[i]`` becomes its checked chain (without a tree: the
+        lookup's unchecked guess if ``unchecked``, else nothing).
+
+        ``trees``: ``(live, window columns, candidates)`` per request."""
+        asks = []
+        for r, w, g in trees:
+            text = token_ids[r.i, : r.n_tok]
+            asks.append(TreeAsk(
+                ngram_size=r.state.settings.ngram_size, window=w,
+                cands=candidates(r.state, text, self.cfg.prompt_pool)[:g],
+                root=int(text[-1]), root_pos=r.n_tok - 1, levels=r.state.window.levels))
+        planned, use_window = plan_trees(asks, self.cfg.max_tree_tokens, self.max_model_len)
+        if not use_window:
+            self.stats.steps_window_off += 1
+        work = []
+        for (r, _, _), tree in zip(trees, planned):
+            if r.room <= 0:  # counted in the budget, but no draft to check
+                continue
+            if tree is None:
+                drafts[r.i] = unchecked_draft(r.state, r.room, self.stats) if unchecked else []
+                continue
+            work.append((r, tree))
+        if not work:
+            return
+        preds = run_trees([(r.i, tree) for r, tree in work])
+        self.stats.lookahead_passes += 1
+        self.stats.pass_requests += len(work)
+        self.stats.lookahead_query_tokens += sum(len(tree.tokens) for _, tree in work)
+        for (r, tree), pred in zip(work, preds):
+            drafts[r.i] = read_tree(r.state, tree, pred)
+            r.state.draft_checked = True
+
+
+class QuietBatches:
+    """Which requests need a step's per-request work.
+
+    Where the planner would plan every request off whatever its lookup
+    found (the bound of :meth:`Planner.any_pays` over the batch's
+    acceptance estimates, taken at the last full step), the requests are
+    left out: no lookup, no pool update (caught up later), no planning, no
+    relaxing of their tree estimates. Seeded requests are never left out
+    (their drafts depend on their text alone). The full path runs every
+    :attr:`REFRESH` steps, when a request joins, and after a tree, which
+    keeps the estimates and the bound current.
+    """
+
+    #: Steps between two full planning steps of a quiet batch (one whose
+    #: drafts cannot pay at its size): those keep the acceptance learnt.
+    REFRESH = 16
+
+    def __init__(self, stats, prior) -> None:
+        self.stats = stats
+        self.prior = prior
+        #: The bound of the batch's requests (taken at the last full step),
+        #: steps since, and (batch size, whether any draft could pay) for
+        #: the bound.
+        self._best: BestCase | None = None
+        self._since_full = 0
+        self._pays: tuple[int, bool] | None = None
+
+    def keep(self, live: list[Live], spec_k: int, joined: bool, planner) -> list[Live]:
+        """The requests of ``live`` that need this step's work (all of them
+        without a ``planner``)."""
+        if planner is None or not live:
+            return live
+        self._since_full += 1
+        if (joined or self._best is None or self._since_full >= self.REFRESH
+                or any(r.chain for r in live)):
+            self._since_full = 0
+            free = [r for r in live if not r.state.seeded]
+            self._best = BestCase.of([_bound_view(r, spec_k) for r in free], self.prior) \
+                if free else None
+            self._pays = None
+            return live
+        b = len(live)
+        if self._pays is None or self._pays[0] != b:
+            self._pays = (b, planner.any_pays(b, self._best))
+        if self._pays[1]:
+            return live
+        self.stats.steps_quiet += 1
+        keep = []
+        for r in live:
+            if r.state.seeded:
+                keep.append(r)
+                continue
+            r.state.draft_sources, r.state.lookup = [], []
+        n_off = len(live) - len(keep)
+        self.stats.arm_steps["off"] += n_off
+        self.stats.shape_steps["off"] = self.stats.shape_steps.get("off", 0) + n_off
+        return keep
+
+
+def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool) -> RequestView:
+    """A request as the planner sees it this step (its lookup done)."""
+    state, s = r.state, r.state.settings
+    trees = not state.seeded
+    g = 0
+    if trees:
+        # candidates the tree could check: the pool's for its root
+        # (plus, with the prompt pool, perhaps a suffix match)
+        root = (r.chain[min(len(r.chain) - 1, r.room)] if r.chain
+                else int(token_ids[r.i, r.n_tok - 1]))
+        g = state.pool.count(int(root)) + int(prompt_pool)
+    seeded_shape = None
+    if state.seeded:
+        # Nothing that decides a seeded request's draft may depend on
+        # timing: its text alone (prompt lookup), never a tree.
+        k = min(len(state.lookup), r.room)
+        seeded_shape = Shape("draft", draft=k) if k > 0 else OFF
+    return RequestView(
+        acc=state.acc, ngram_size=s.ngram_size, window_size=s.window_size,
+        guess_set_size=min(g, s.guess_set_size), room=r.room, chain=len(r.chain),
+        unchecked=len(state.lookup), lookup_kind=state.lookup_kind, trees=trees,
+        fixed=seeded_shape)
+
+
+def _bound_view(r: Live, spec_k: int) -> RequestView:
+    """A request as :meth:`BestCase.of` sees it: its settings' upper bounds
+    (not this step's pool or room), so the bound holds for later steps."""
+    s = r.state.settings
+    return RequestView(acc=r.state.acc, ngram_size=s.ngram_size, window_size=s.window_size,
+                       guess_set_size=s.guess_set_size, room=max(spec_k, r.room),
+                       trees=not r.state.seeded)
