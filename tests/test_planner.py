@@ -306,6 +306,36 @@ def test_model_corrects_from_seen_steps():
     assert m.predict(1, 1, tree=True) == pytest.approx(0.10, rel=0.05)
 
 
+def test_steps_at_one_length_keep_the_curves_draft_cost():
+    """An engine that hardly drafts sees almost only 1-token steps: they
+    set the line's height, but tell nothing of what a draft token costs, so
+    the slope stays the curve's (it went to 0 once the prior was forgotten:
+    drafts looked free), and a few noisy draft steps cannot swing it."""
+    m = CostModel(curve_from(avx2_bf16))  # each extra token: a quarter step
+    prior_slope = m.predict(4, 2, tree=False) - m.predict(4, 1, tree=False)
+    for i in range(600):
+        m.observe(4, 1, 2 * STEP * 4 * (1 + 0.05 * (i % 3)), tree=False)
+    m.observe(4, 1.25, 2 * STEP * 4, tree=False)  # one draft step, no dearer
+    m.agreed(m.local_factors())
+    assert m.predict(4, 1, tree=False) == pytest.approx(2 * STEP * 4, rel=0.1)
+    slope = m.predict(4, 2, tree=False) - m.predict(4, 1, tree=False)
+    assert 0.5 * prior_slope < slope < 2 * prior_slope
+
+
+def test_a_step_with_trees_never_costs_less_than_without():
+    """The tree factor and the plain line learn from different steps; where
+    they disagree (steps without trees slower than the curve, tree steps
+    faster), a tree must not look cheaper than no tree."""
+    m = CostModel(curve_from(avx2_bf16))
+    for _ in range(40):
+        m.observe(16, 1.0, 3 * m.curve.predict(16, 1.0), tree=False)
+        m.observe(16, 2.0, 0.3 * m.curve.predict(16, 2.0), tree=True)
+    m.agreed(m.local_factors())
+    assert m.factors[(16, True)] < 1
+    for q in (1.0, 1.5, 2.0, 4.0):
+        assert m.predict(16, q, tree=True) >= m.predict(16, q, tree=False)
+
+
 def test_steps_without_trees_lose_the_tree_paths_jump():
     # The ladder runs every row through the tree path: from 1 to 2 rows it
     # jumps by a fixed cost that vLLM's own attention does not pay.

@@ -178,12 +178,20 @@ def measure_curve(
 
 
 class _Affine:
-    """Exponentially weighted least squares of ``y = a + b * (x - 1)``."""
+    """Exponentially weighted least squares of ``y = a + b * (x - 1)``, the
+    slope held towards a prior slope that is never forgotten
+    (:meth:`set_slope_prior`: ``strength`` is in weight times x squared):
+    where the points seen all have about the same x (an engine that drafts
+    little), they set the line's height and leave its slope at the prior."""
 
-    __slots__ = ("w", "x", "y", "xx", "xy")
+    __slots__ = ("w", "x", "y", "xx", "xy", "b0", "strength")
 
     def __init__(self) -> None:
         self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.b0 = self.strength = 0.0
+
+    def set_slope_prior(self, slope: float, strength: float) -> None:
+        self.b0, self.strength = slope, strength
 
     def add(self, x: float, y: float, weight: float = 1.0, keep: float = 1.0) -> None:
         x -= 1.0
@@ -195,8 +203,10 @@ class _Affine:
 
     def fit(self) -> tuple[float, float]:
         mx, my = self.x / self.w, self.y / self.w
-        var = self.xx / self.w - mx * mx
-        b = (self.xy / self.w - mx * my) / var if var > 1e-9 else 0.0
+        spread = self.xx - self.w * mx * mx  # weight times the variance of x
+        cov = self.xy - self.w * mx * my
+        den = spread + self.strength
+        b = (cov + self.strength * self.b0) / den if den > 1e-9 else 0.0
         b = max(b, 0.0)  # more rows never cost less
         return my - b * mx, b
 
@@ -215,15 +225,22 @@ class CostModel:
       fitted to the step times seen (weighted least squares with
       forgetting), starting from the curve less its fixed jump from 1 to 2
       rows (:meth:`plain`) as a prior. The slope matters: it is what a
-      draft token costs, which the tree-path curve does not tell.
+      draft token costs, which the tree-path curve does not tell; it moves
+      off the curve's only as far as steps with drafts of different lengths
+      show (an engine that drafts little keeps the curve's slope).
 
     With tensor parallelism every rank must plan alike: :meth:`agreed`
     installs the corrections all ranks use (the proposer broadcasts rank 0's
     every ``agree_every`` steps), and :meth:`predict` reads only those.
     """
 
-    #: Pseudo-observations the curve's plain line counts for.
+    #: Pseudo-observations the curve's plain line counts for (forgotten
+    #: as steps are seen).
     PRIOR_WEIGHT = 4.0
+    #: How strongly the plain line's slope is held to the curve's, never
+    #: forgotten (weight times squared draft tokens: one step with a draft
+    #: one token longer than the others counts as much).
+    SLOPE_PRIOR = 1.0
     #: Steps with trees not booked at the start of an engine (one-time costs).
     SKIP_FIRST = 2
 
@@ -253,7 +270,10 @@ class CostModel:
         tokens each on average, ``tree``: with lookahead trees in it."""
         b = bucket_of(batch)
         if tree:
-            return self.curve.predict(batch, tokens) * self.factors.get((b, True), 1.0)
+            # A step with trees does all a step without them does, and more:
+            # never predicted cheaper (the two corrections learn apart).
+            return max(self.curve.predict(batch, tokens) * self.factors.get((b, True), 1.0),
+                       self.predict(batch, tokens, tree=False))
         line = self.factors.get((b, False))
         if line is None:
             return self.plain(batch, tokens)
@@ -275,6 +295,8 @@ class CostModel:
                 line = self._lines[b] = _Affine()
                 for t in (1, 2, 4, 8):  # the prior: the curve's plain line
                     line.add(t, self.plain(b, t), self.PRIOR_WEIGHT / 4)
+                line.set_slope_prior((self.plain(b, 8) - self.plain(b, 1)) / 7,
+                                     self.SLOPE_PRIOR)
             seconds *= self.plain(b, tokens) / max(self.plain(batch, tokens), 1e-12)
             line.add(tokens, seconds, 1.0, keep=1 - self.ema)
             return
