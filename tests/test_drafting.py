@@ -357,3 +357,60 @@ def test_step_budget_too_small_falls_back_to_the_unchecked_lookup():
     drafts, _ = step.run([Live(0, s, len(text), 3, [])], 1, 1, 3, True, tokens, run_trees)
     assert drafts == [[6, 9, 4]] and not s.draft_checked
     assert stats.unchecked_drafts == 1 and stats.steps_window_off == 1
+
+
+def test_quiet_batch_skips_mature_requests_and_keeps_young_ones():
+    """A machine where nothing can pay: once a request's acceptance has
+    been checked on MATURE lookups, quiet steps leave it out (no lookup, no
+    planning); a request that has not is still planned every step."""
+    from vllm_lookahead.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner import Planner
+    from vllm_lookahead.step import QuietBatches
+
+    cfg = LookaheadConfig(ngram_size=3, window_size=2, guess_set_size=2, mode="fused")
+    stats = LookaheadStats()
+    prior = AcceptancePrior(max_cands=2, p_unchecked=0.1)
+    step = StepDrafter(cfg, True, 1000, stats, prior)
+    # every extra query token costs two steps: nothing ever pays
+    step.planner = Planner(CostModel(CostCurve.flat(0.05, 2.0)))
+    text = [4, 5, 6, 9, 4, 5]
+    tokens = np.zeros((2, 64), dtype=np.int32)
+    tokens[:, : len(text)] = text
+    old, young = (new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
+                            tokens[i], len(text), len(text), None, False, 0, prior)
+                  for i in range(2))
+    old.acc.seen = QuietBatches.MATURE
+    live = [Live(0, old, len(text), 3, []), Live(1, young, len(text), 3, [])]
+
+    def no_trees(rows):  # pragma: no cover - must not run
+        raise AssertionError(rows)
+
+    step.run(live, 2, 2, 3, True, tokens, no_trees)  # a request joined: full step
+    assert stats.steps_quiet == 0 and old.lookup and young.lookup
+    drafts, planned = step.run(live, 2, 2, 3, False, tokens, no_trees)
+    assert stats.steps_quiet == 1
+    assert old.lookup == [] and young.lookup  # the young one was looked up
+    assert drafts == [[], []] and planned == (2, 1.0, False)
+    assert stats.shape_steps["off"] == 4
+
+
+def test_planner_counts_requests_left_out_as_off():
+    from vllm_lookahead.acceptance import RequestAcceptance
+    from vllm_lookahead.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner import Planner, RequestView
+
+    # each extra query token costs 10% of a step at any batch size
+    curve = CostCurve({b: [(t, 0.05 * (1 + 0.1 * (b * t - 1))) for t in (1, 8, 64)]
+                       for b in (1, 2, 4, 8, 16)})
+    planner = Planner(CostModel(curve))
+    prior = AcceptancePrior(max_cands=2, p_unchecked=0.6)
+
+    def view(room=3):
+        return RequestView(acc=RequestAcceptance(prior), ngram_size=3, window_size=2,
+                           guess_set_size=2, room=room, unchecked=3)
+
+    v = view()
+    alone = planner.plan([v], 0, others=15)
+    together = planner.plan([v] + [view(room=0) for _ in range(15)])
+    assert alone == together[:1]
+    assert alone != planner.plan([v])  # the batch's size changes the answer

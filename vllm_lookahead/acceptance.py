@@ -149,6 +149,11 @@ class RequestAcceptance:
         self.checked = _Rate(prior.p_checked * w, (1 - prior.p_checked) * w)
         self.tree_cands = list(prior.tree_cands)
         self.tree_window = prior.tree_window
+        #: Unchecked lookups compared with the tokens that came.
+        self.seen = 0
+        #: Whether a quiet-batch bound was taken with these estimates
+        #: mature (``step.QuietBatches``).
+        self.bounded = False
 
     # -- what the planner reads ------------------------------------------------
     def unchecked_gain(self, k: int, kind: str = "suffix4") -> float:
@@ -173,6 +178,7 @@ class RequestAcceptance:
         n = min(len(draft), len(produced))
         if n == 0:
             return
+        self.seen += 1
         hits = 0
         while hits < n and draft[hits] == produced[hits]:
             hits += 1

@@ -246,25 +246,29 @@ class Planner:
                 return True
         return any(pays(gain, 1 + nodes, True) for gain, nodes in best.trees.values())
 
-    def plan(self, views: list[RequestView], max_tree_tokens: int = 0) -> list[Shape]:
-        """One shape per request (in the order of ``views``)."""
+    def plan(self, views: list[RequestView], max_tree_tokens: int = 0,
+             others: int = 0) -> list[Shape]:
+        """One shape per request (in the order of ``views``); ``others``:
+        more requests in the step, off (one query token each)."""
         r_n = len(views)
         if r_n == 0:
             return []
-        options = [self.shapes(v, r_n) for v in views]
+        batch = r_n + max(others, 0)
+        options = [self.shapes(v, batch) for v in views]
         memo: dict[tuple[int, bool], float] = {}
 
         def seconds(total_query: int, trees: int) -> float:
             key = (total_query, trees > 0)
             s = memo.get(key)
             if s is None:
-                s = memo[key] = self.cost.predict(r_n, total_query / r_n, tree=trees > 0)
+                s = memo[key] = self.cost.predict(batch, (total_query + batch - r_n) / batch,
+                                                  tree=trees > 0)
             return s
 
         pick = [0] * r_n
         q_tot = sum(o[0].query for o in options)
         extra = sum(o[0].extra_s for o in options)
-        tok = sum(o[0].tokens for o in options)
+        tok = sum(o[0].tokens for o in options) + (batch - r_n)  # others: 1 each
         n_tree = sum(o[0].kind == "tree" for o in options)
         for _ in range(self.sweeps):
             lam = tok / (seconds(q_tot, n_tree) + extra)

@@ -105,7 +105,7 @@ class StepDrafter:
         if self.cfg.prompt_pool:
             for r in live:
                 r.state.add_context_ngrams(token_ids[r.i], r.state.settings.ngram_size, r.n_tok)
-        trees, planned = self._plan(live, drafts, token_ids)
+        trees, planned = self._plan(live, drafts, token_ids, others=len(everyone) - len(live))
         if self.fused:
             # A catch-up pass for tree requests without a checked chain
             # (first step, or last tree missed): their next draft is checked.
@@ -127,16 +127,17 @@ class StepDrafter:
                 self.stats.drafts += 1
                 self.stats.draft_tokens += len(drafts[r.i])
         if len(live) < len(everyone):  # a quiet step: time it as planned
-            q = 1 + sum(len(drafts[r.i]) for r in live) / len(everyone)
-            planned = (len(everyone), q, False)
+            n, q, tree = planned if planned is not None else (0, 1.0, False)
+            planned = (len(everyone), 1 + (n * (q - 1)) / len(everyone), tree)
         return drafts, planned
 
     # -- planning ------------------------------------------------------------
-    def _plan(self, live: list[Live], drafts, token_ids) -> tuple[list, tuple | None]:
-        """Each live request's shape this step. Drafts without a tree go
-        into ``drafts``. Returns the requests that get a tree, as ``(live,
-        window columns, candidates)``, and the step as planned (planner
-        only, else None)."""
+    def _plan(self, live: list[Live], drafts, token_ids,
+              others: int = 0) -> tuple[list, tuple | None]:
+        """Each live request's shape this step (``others``: more requests
+        in the step, off). Drafts without a tree go into ``drafts``.
+        Returns the requests that get a tree, as ``(live, window columns,
+        candidates)``, and the step as planned (planner only, else None)."""
         if not live:
             return [], None
         fixed = self.planner is None  # adaptive off: the full tree every step
@@ -155,7 +156,7 @@ class StepDrafter:
             if st.catch_up_requests:
                 runs = st.fused_trees + st.pass_requests
                 self.planner.horizon = max(runs / st.catch_up_requests, 1.0)
-            shapes = self.planner.plan(views, self.cfg.max_tree_tokens)
+            shapes = self.planner.plan(views, self.cfg.max_tree_tokens, others)
             q = sum(sh.query for sh in shapes) / len(shapes)
             planned = (len(live), q, any(sh.kind == "tree" for sh in shapes))
         trees = []
@@ -253,15 +254,21 @@ class QuietBatches:
     found (the bound of :meth:`Planner.any_pays` over the batch's
     acceptance estimates, taken at the last full step), the requests are
     left out: no lookup, no pool update (caught up later), no planning, no
-    relaxing of their tree estimates. Seeded requests are never left out
-    (their drafts depend on their text alone). The full path runs every
-    :attr:`REFRESH` steps, when a request joins, and after a tree, which
-    keeps the estimates and the bound current.
+    relaxing of their tree estimates. Seeded requests (their drafts depend
+    on their text alone) and requests whose acceptance has been checked on
+    fewer than :attr:`MATURE` lookups are never left out; the planner plans
+    them with the others counted as off. The full path runs every
+    :attr:`REFRESH` steps, when a request joins or matures, and after a
+    tree, which keeps the estimates and the bound current.
     """
 
     #: Steps between two full planning steps of a quiet batch (one whose
     #: drafts cannot pay at its size): those keep the acceptance learnt.
     REFRESH = 16
+    #: Lookups a request's acceptance must have been checked on before it
+    #: may be left out (until then it is planned every step: a new request
+    #: learns at full speed).
+    MATURE = 8
 
     def __init__(self, stats, prior) -> None:
         self.stats = stats
@@ -279,12 +286,16 @@ class QuietBatches:
         if planner is None or not live:
             return live
         self._since_full += 1
+        mature = self.MATURE
         if (joined or self._best is None or self._since_full >= self.REFRESH
-                or any(r.chain for r in live)):
+                or any(r.chain or (r.state.acc.seen >= mature and not r.state.acc.bounded)
+                       for r in live)):
             self._since_full = 0
             free = [r for r in live if not r.state.seeded]
             self._best = BestCase.of([_bound_view(r, spec_k) for r in free], self.prior) \
                 if free else None
+            for r in free:
+                r.state.acc.bounded = r.state.acc.seen >= mature
             self._pays = None
             return live
         b = len(live)
@@ -295,7 +306,7 @@ class QuietBatches:
         self.stats.steps_quiet += 1
         keep = []
         for r in live:
-            if r.state.seeded:
+            if r.state.seeded or r.state.acc.seen < self.MATURE:
                 keep.append(r)
                 continue
             r.state.draft_sources, r.state.lookup = [], []
