@@ -336,6 +336,24 @@ def test_a_step_with_trees_never_costs_less_than_without():
         assert m.predict(16, q, tree=True) >= m.predict(16, q, tree=False)
 
 
+def test_trees_follow_the_plain_steps_until_seen():
+    """A curve from a file or another machine: plain steps run twice as
+    slow as it says. Before any tree step is seen, trees are expected twice
+    as slow too (else a tree looks as cheap as no tree and runs where it
+    cannot pay); once seen, their own factor rules."""
+    m = CostModel(curve_from(avx2_bf16))
+    for _ in range(100):
+        m.observe(1, 1, 2 * m.plain(1, 1), tree=False)
+    m.agreed(m.local_factors())
+    assert m.predict(1, 5, tree=True) == pytest.approx(2 * m.curve.predict(1, 5), rel=0.05)
+    planner = Planner(m)
+    assert planner.plan([view(acceptance(**HIGH), unchecked=0)])[0].kind != "tree"
+    for _ in range(60):
+        m.observe(1, 5, 1.8 * m.curve.predict(1, 5), tree=True)
+    m.agreed(m.local_factors())
+    assert m.predict(1, 5, tree=True) == pytest.approx(1.8 * m.curve.predict(1, 5), rel=0.05)
+
+
 def test_steps_without_trees_lose_the_tree_paths_jump():
     # The ladder runs every row through the tree path: from 1 to 2 rows it
     # jumps by a fixed cost that vLLM's own attention does not pay.

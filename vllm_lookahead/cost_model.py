@@ -216,7 +216,9 @@ class CostModel:
     bucket and kind of step.
 
     * Steps **with trees**: the curve (measured through the tree-attention
-      path, which such steps run), times a running correction factor: the
+      path, which such steps run), times a running correction factor
+      (before any tree step of the batch bucket: the plain line's height
+      over the curve's, see below): the
       exponentially weighted mean of log(seen / predicted), each step's
       ratio clipped to ``[1/2, 2]``, the first :data:`SKIP_FIRST` steps of
       an engine left out.
@@ -270,9 +272,16 @@ class CostModel:
         tokens each on average, ``tree``: with lookahead trees in it."""
         b = bucket_of(batch)
         if tree:
+            factor = self.factors.get((b, True))
+            if factor is None:
+                # No tree step seen in this bucket: a machine that runs
+                # plain steps slower (faster) than the curve says runs trees
+                # so too.
+                line = self.factors.get((b, False))
+                factor = line[0] / max(self.plain(b, 1), 1e-12) if line is not None else 1.0
             # A step with trees does all a step without them does, and more:
             # never predicted cheaper (the two corrections learn apart).
-            return max(self.curve.predict(batch, tokens) * self.factors.get((b, True), 1.0),
+            return max(self.curve.predict(batch, tokens) * factor,
                        self.predict(batch, tokens, tree=False))
         line = self.factors.get((b, False))
         if line is None:
