@@ -384,6 +384,12 @@ def test_measure_curve_respects_its_budget():
     agreed = measure_curve(time_step, batches=(1,), tokens=(1, 4, 16), budget_s=100,
                            keep_going=lambda wish: wishes.append(wish) or len(wishes) < 3)
     assert [t for t, _ in agreed.points[1]] == [1, 4]
+    # A budget spent on the first point (a slow first forward, a loaded
+    # machine) still leaves the first batch its first MIN_POINTS sizes.
+    clock[0] = 0.0
+    slow = measure_curve(time_step, batches=(1, 2), tokens=(1, 2, 4, 8, 16), budget_s=1e-6,
+                         repeats=1, clock=lambda: clock[0])
+    assert [t for t, _ in slow.points[1]] == [1, 2, 4, 8] and 2 not in slow.points
 
 
 def test_measured_curve_never_falls_with_more_tokens():
@@ -395,10 +401,14 @@ def test_measured_curve_never_falls_with_more_tokens():
 def test_cache_roundtrip_and_key_changes(tmp_path):
     cache = CostCache(tmp_path)
     key = cache_key("m", "bfloat16", 1, 1, "0.32.0", "cpu")
-    curve = CostCurve({1: [(1, 0.05), (16, 0.07)]})
+    curve = CostCurve({1: [(1, 0.05), (2, 0.05), (4, 0.06), (16, 0.07)]})
     assert cache.load(key) is None
     cache.save(key, curve)
     assert cache.load(key).points == curve.points
+    # a curve cut to fewer sizes than a measurement now keeps is measured anew
+    cache.save(key, CostCurve({1: [(1, 0.05)]}))
+    assert cache.load(key) is None
+    cache.save(key, curve)
     for change in ({"dtype": "float32"}, {"model": "other"}, {"tensor_parallel": 2},
                    {"vllm": "0.33.0"}):
         assert cache.load({**key, **change}) is None

@@ -15,7 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from vllm_lookahead.cost_model import CACHE_VERSION, CostCurve
+from vllm_lookahead.cost_model import CACHE_VERSION, MIN_POINTS, CostCurve
 from vllm_lookahead.machine import hardware_id
 
 logger = logging.getLogger("vllm.vllm_lookahead.cost_cache")
@@ -60,7 +60,13 @@ class CostCache:
         return self.dir / f"cost-{self._digest(key)}.json"
 
     def load(self, key: dict) -> CostCurve | None:
-        return load_curve(self.path(key), key)
+        """The cached curve of ``key``; None (measure again) also for a
+        curve cut shorter than :data:`~.cost_model.MIN_POINTS` sizes at its
+        first batch (cached before measurements kept them)."""
+        curve = load_curve(self.path(key), key)
+        if curve is not None and len(curve.points[min(curve.points)]) < MIN_POINTS:
+            return None
+        return curve
 
     def save(self, key: dict, curve: CostCurve) -> Path | None:
         path = self.path(key)

@@ -39,6 +39,8 @@ CACHE_VERSION = 1
 TOKEN_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 #: Batch buckets the ladder measures (cut to the engine's max_num_seqs).
 BATCH_LADDER = (1, 2, 4, 8, 16)
+#: Points of the first batch measured whatever the budget (1, 2, 4, 8 tokens).
+MIN_POINTS = 4
 
 
 def bucket_of(num_requests: int) -> int:
@@ -153,7 +155,10 @@ def measure_curve(
     Points go in order of cost (batch 1 first, tokens ascending within a
     batch), and the ladder stops once ``budget_s`` is spent: unmeasured
     points are extrapolated by :meth:`CostCurve.predict`. A batch keeps its
-    points only if it got at least two.
+    points only if it got at least two. The first batch always gets its
+    first :data:`MIN_POINTS` sizes, whatever the budget: one point tells
+    nothing of what a draft token costs (extrapolated from one point, each
+    token costs a whole step, and no draft ever runs to show otherwise).
 
     ``keep_going(local_wish) -> bool`` decides, before each point, whether
     to go on (tensor parallel ranks must run the same forwards: the proposer
@@ -164,7 +169,7 @@ def measure_curve(
     for b in batches:
         got = []
         for t in tokens:
-            wish = clock() - start < budget_s
+            wish = clock() - start < budget_s or (b == batches[0] and len(got) < MIN_POINTS)
             go = keep_going(wish) if keep_going is not None else wish
             if not go:
                 break
