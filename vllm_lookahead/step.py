@@ -306,7 +306,7 @@ class QuietBatches:
         self.stats.steps_quiet += 1
         keep = []
         for r in live:
-            if r.state.seeded or r.state.acc.seen < self.MATURE:
+            if r.state.seeded or r.state.acc.seen < mature:
                 keep.append(r)
                 continue
             r.state.draft_sources, r.state.lookup = [], []
