@@ -261,6 +261,10 @@ class CostModel:
         #: agreed corrections, used by predict: (bucket, True) -> factor,
         #: (bucket, False) -> (a, b) of the plain line.
         self.factors: dict[tuple[int, bool], object] = {}
+        #: predict's answers since the last :meth:`agreed` (they depend on
+        #: the curve and the agreed corrections only; the planner asks the
+        #: same few questions for every request of every step).
+        self._memo: dict[tuple[int, float, bool], float] = {}
 
     def plain(self, batch: int, tokens: float) -> float:
         """Curve seconds of a step without trees (see the class doc)."""
@@ -272,9 +276,21 @@ class CostModel:
         jump = max(c2 - c1 - slope, 0.0)
         return max(self.curve.predict(batch, tokens) - jump, c1)
 
+    #: Answers :meth:`predict` keeps between two agreements.
+    MEMO_SIZE = 4096
+
     def predict(self, batch: int, tokens: float, tree: bool = True) -> float:
         """Seconds of a step of ``batch`` requests with ``tokens`` query
         tokens each on average, ``tree``: with lookahead trees in it."""
+        key = (batch, tokens, tree)
+        s = self._memo.get(key)
+        if s is None:
+            if len(self._memo) >= self.MEMO_SIZE:
+                self._memo.clear()
+            s = self._memo[key] = self._predict(batch, tokens, tree)
+        return s
+
+    def _predict(self, batch: int, tokens: float, tree: bool) -> float:
         b = bucket_of(batch)
         if tree:
             factor = self.factors.get((b, True))
@@ -287,7 +303,7 @@ class CostModel:
             # A step with trees does all a step without them does, and more:
             # never predicted cheaper (the two corrections learn apart).
             return max(self.curve.predict(batch, tokens) * factor,
-                       self.predict(batch, tokens, tree=False))
+                       self._predict(batch, tokens, False))
         line = self.factors.get((b, False))
         if line is None:
             return self.plain(batch, tokens)
@@ -332,6 +348,7 @@ class CostModel:
 
     def agreed(self, factors: dict) -> None:
         self.factors = dict(factors)
+        self._memo.clear()
 
     def snapshot(self) -> dict:
         corr = {}

@@ -27,6 +27,8 @@ Pure Python: unit-tested on synthetic cost curves without an engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
 
 from vllm_lookahead.acceptance import RequestAcceptance, geometric_gain
 from vllm_lookahead.attn_mask import tree_size
@@ -37,9 +39,9 @@ from vllm_lookahead.attn_mask import tree_size
 TREE_HORIZON = 8
 
 
-@dataclass(frozen=True)
-class Shape:
-    """How one request runs one step.
+class Shape(NamedTuple):
+    """How one request runs one step (a named tuple: the planner makes a
+    dozen per request per step).
 
     Attributes:
         kind: "off", "draft" or "tree".
@@ -147,6 +149,19 @@ class BestCase:
         return cls(p_unchecked=p_u, max_draft=max(v.room for v in views), trees=trees)
 
 
+@lru_cache(maxsize=256)
+def _tree_options(ngram_size: int, window_size: int, g_max: int) -> tuple:
+    """The tree shapes of a request with these N, W, G: ``(window columns,
+    candidates, nodes)`` for no window and the whole window, each with no
+    candidate (window only), 1, 2, 4, ... up to G."""
+    out = []
+    for w in ([0, window_size] if window_size > 0 else [0]):
+        for g in [0] + _cand_steps(g_max):
+            if g or w:
+                out.append((w, g, tree_size(ngram_size, w, g)))
+    return tuple(out)
+
+
 def _cand_steps(g_max: int) -> list[int]:
     """1, 2, 4, ... up to and including ``g_max``."""
     out, g = [], 1
@@ -197,27 +212,23 @@ class Planner:
         if not v.trees:
             return out
         n = v.ngram_size
-        windows = [0, v.window_size] if v.window_size > 0 else [0]
-        for w in windows:
-            for g in [0] + _cand_steps(v.guess_set_size):
-                if g == 0 and w == 0:
-                    continue
-                m = min(acc.tree_gain(g, w > 0), n - 1)
-                # Steady state: each step drafts the chain the last tree
-                # confirmed (about m tokens) and checks the next tree.
-                d = min(int(round(m)), v.room)
-                nodes = tree_size(n, w, g)
-                extra = 0.0
-                if self.fused and v.chain <= 0:
-                    # A catch-up pass (a forward over this tree alone)
-                    # before the first fused tree, spread over a run.
-                    extra = self.cost.predict(1, nodes) / max(self.horizon, 1.0)
-                elif not self.fused:
-                    # Separate mode: a second forward every step (its
-                    # tokens are counted in the batch's tokens).
-                    extra = self.cost.predict(1, 1) / max(batch, 1)
-                out.append(Shape("tree", draft=d, window=w, cands=g, nodes=nodes,
-                                 tokens=1 + m * acc.checked.p, extra_s=extra))
+        checked = acc.checked.p
+        extra_1 = 0.0
+        if not self.fused:
+            # Separate mode: a second forward every step (its tokens are
+            # counted in the batch's tokens).
+            extra_1 = self.cost.predict(1, 1) / max(batch, 1)
+        for w, g, nodes in _tree_options(n, v.window_size, v.guess_set_size):
+            m = min(acc.tree_gain(g, w > 0), n - 1)
+            # Steady state: each step drafts the chain the last tree
+            # confirmed (about m tokens) and checks the next tree.
+            d = min(int(round(m)), v.room)
+            extra = extra_1
+            if self.fused and v.chain <= 0:
+                # A catch-up pass (a forward over this tree alone)
+                # before the first fused tree, spread over a run.
+                extra = self.cost.predict(1, nodes) / max(self.horizon, 1.0)
+            out.append(Shape("tree", d, w, g, nodes, 1 + m * checked, extra))
         return out
 
     # -- the batch ---------------------------------------------------------------
@@ -265,32 +276,37 @@ class Planner:
                                                   tree=trees > 0)
             return s
 
+        # Per option: (query tokens, whether a tree, tokens, extra seconds).
+        rows = [[(o.query, o.kind == "tree", o.tokens, o.extra_s) for o in opts]
+                for opts in options]
         pick = [0] * r_n
-        q_tot = sum(o[0].query for o in options)
-        extra = sum(o[0].extra_s for o in options)
-        tok = sum(o[0].tokens for o in options) + (batch - r_n)  # others: 1 each
-        n_tree = sum(o[0].kind == "tree" for o in options)
+        q_tot = sum(o[0][0] for o in rows)
+        extra = sum(o[0][3] for o in rows)
+        tok = sum(o[0][2] for o in rows) + (batch - r_n)  # others: 1 each
+        n_tree = sum(o[0][1] for o in rows)
         for _ in range(self.sweeps):
             lam = tok / (seconds(q_tot, n_tree) + extra)
             changed = False
-            for r, opts in enumerate(options):
+            for r, opts in enumerate(rows):
                 if len(opts) == 1:
                     continue
-                cur = opts[pick[r]]
-                q_base = q_tot - cur.query
-                t_base = n_tree - (cur.kind == "tree")
+                cq, ctree, ctok, cextra = opts[pick[r]]
+                q_base = q_tot - cq
+                t_base = n_tree - ctree
                 best, best_val = pick[r], None
-                for j, o in enumerate(opts):
-                    sec = seconds(q_base + o.query, t_base + (o.kind == "tree"))
-                    val = o.tokens - lam * (sec + o.extra_s)
+                for j, (oq, otree, otok, oextra) in enumerate(opts):
+                    sec = memo.get((q_base + oq, t_base + otree > 0))
+                    if sec is None:
+                        sec = seconds(q_base + oq, t_base + otree)
+                    val = otok - lam * (sec + oextra)
                     if best_val is None or val > best_val + 1e-12:
                         best, best_val = j, val
                 if best != pick[r]:
-                    new = opts[best]
-                    q_tot += new.query - cur.query
-                    extra += new.extra_s - cur.extra_s
-                    tok += new.tokens - cur.tokens
-                    n_tree += (new.kind == "tree") - (cur.kind == "tree")
+                    nq, ntree, ntok, nextra = opts[best]
+                    q_tot += nq - cq
+                    extra += nextra - cextra
+                    tok += ntok - ctok
+                    n_tree += ntree - ctree
                     pick[r] = best
                     changed = True
             if not changed:
