@@ -359,6 +359,30 @@ def test_step_budget_too_small_falls_back_to_the_unchecked_lookup():
     assert stats.unchecked_drafts == 1 and stats.steps_window_off == 1
 
 
+def test_a_step_whose_budget_cuts_windows_twice_counts_once():
+    """Fused mode, a budget (5 tokens) under one windowed tree (6 with one
+    candidate) but over one without window (3): the catch-up pass of the
+    request without a checked chain and the next tree of the request with
+    one both leave the window out -- one step with the window off, not two."""
+    step, stats = _step("fused", max_tree_tokens=5)
+    text = [4, 5, 6, 9, 4, 5]
+    s0, tokens = _live_request(text)
+    s1, _ = _live_request(text)
+    tokens = np.concatenate([tokens, tokens])
+
+    live = [Live(0, s0, len(text), 3, []), Live(1, s1, len(text), 3, [6, 9, 4])]
+    seen = []
+
+    def run_trees(rows):
+        seen.extend(tree.window for _, tree in rows)
+        return [np.full(tree.layout.num_nodes, 1, dtype=np.int64) for _, tree in rows]
+
+    step.run(live, 2, 2, 3, True, tokens, run_trees)
+    assert stats.catch_up_requests == 1 and seen == [False]
+    assert s1.plan is not None and s1.plan.window is False
+    assert stats.steps_window_off == 1
+
+
 def test_quiet_batch_skips_mature_requests_and_keeps_young_ones():
     """A machine where nothing can pay: once a request's acceptance has
     been checked on MATURE lookups, quiet steps leave it out (no lookup, no

@@ -151,8 +151,9 @@ def fit_budget(
     Args:
         trees: per request ``(N, W, g)`` it would like to run.
         budget: most tree tokens the step may add (0 = no limit).
-        with_root: whether the root node is a query token of the tree
-            (separate pass) or already one of vLLM's tokens (fused).
+        with_root: whether the root node counts as one of the tree's query
+            tokens (it does in both modes: a separate pass runs it, a fused
+            tree appends it after vLLM's draft); False leaves it out.
     Returns:
         ``(use_window, max_candidates)``: keep every request's window, or
         leave all windows out of this step; check at most ``max_candidates``

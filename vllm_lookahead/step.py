@@ -106,20 +106,23 @@ class StepDrafter:
             for r in live:
                 r.state.add_context_ngrams(token_ids[r.i], r.state.settings.ngram_size, r.n_tok)
         trees, planned = self._plan(live, drafts, token_ids, others=len(everyone) - len(live))
+        window_cut = False  # the budget left a tree's window out (counted once a step)
         if self.fused:
             # A catch-up pass for tree requests without a checked chain
             # (first step, or last tree missed): their next draft is checked.
             rescue = [(r, w, g) for r, w, g in trees if not r.chain and r.room > 0]
             if rescue:
                 self.stats.catch_up_requests += len(rescue)
-                self._separate_pass(rescue, drafts, token_ids, run_trees, unchecked=False)
+                window_cut |= self._separate_pass(rescue, drafts, token_ids, run_trees,
+                                                  unchecked=False)
                 for r, _, _ in rescue:
                     r.chain = drafts[r.i]
                     if not r.chain:  # no tree fitted: the unchecked lookup
                         drafts[r.i] = unchecked_draft(r.state, r.room, self.stats)
-            self._fused_plan([t for t in trees if t[0].chain], drafts, token_ids)
+            window_cut |= self._fused_plan([t for t in trees if t[0].chain], drafts, token_ids)
         elif trees:
-            self._separate_pass(trees, drafts, token_ids, run_trees)
+            window_cut = self._separate_pass(trees, drafts, token_ids, run_trees)
+        self.stats.steps_window_off += window_cut
         for r in live:
             drafts[r.i] = drafts[r.i][: max(r.room, 0)]
             r.state.draft_sources = r.state.draft_sources[: len(drafts[r.i])]
@@ -183,10 +186,11 @@ class StepDrafter:
         return trees, planned
 
     # -- trees ---------------------------------------------------------------
-    def _fused_plan(self, trees, drafts, token_ids) -> None:
+    def _fused_plan(self, trees, drafts, token_ids) -> bool:
         """Turn each tree request's checked chain into its draft and plan
         its tree for the next step (``drafts[i]`` becomes the chain but its
-        last token, the tree's root; ``state.plan`` the tree, if one fits)."""
+        last token, the tree's root; ``state.plan`` the tree, if one fits).
+        Returns whether the token budget left the windows out."""
         asks = []
         for r, w, g in trees:
             state, chain = r.state, r.chain
@@ -204,18 +208,18 @@ class StepDrafter:
                 root=expect[-1], root_pos=r.n_tok + k, levels=state.window.levels,
                 expect=expect))
         if not asks:
-            return
+            return False
         planned, use_window = plan_trees(asks, self.cfg.max_tree_tokens, self.max_model_len)
-        if not use_window:
-            self.stats.steps_window_off += 1
         for (r, _, _), tree in zip(trees, planned):
             if tree is not None:
                 r.state.plan = tree
+        return not use_window
 
-    def _separate_pass(self, trees, drafts, token_ids, run_trees, unchecked: bool = True) -> None:
+    def _separate_pass(self, trees, drafts, token_ids, run_trees, unchecked: bool = True) -> bool:
         """One extra tree-masked forward rooted at each request's newest
         token; ``drafts[i]`` becomes its checked chain (without a tree: the
-        lookup's unchecked guess if ``unchecked``, else nothing).
+        lookup's unchecked guess if ``unchecked``, else nothing). Returns
+        whether the token budget left the windows out.
 
         ``trees``: ``(live, window columns, candidates)`` per request."""
         asks = []
@@ -226,8 +230,6 @@ class StepDrafter:
                 cands=candidates(r.state, text, self.cfg.prompt_pool)[:g],
                 root=int(text[-1]), root_pos=r.n_tok - 1, levels=r.state.window.levels))
         planned, use_window = plan_trees(asks, self.cfg.max_tree_tokens, self.max_model_len)
-        if not use_window:
-            self.stats.steps_window_off += 1
         work = []
         for (r, _, _), tree in zip(trees, planned):
             if r.room <= 0:  # counted in the budget, but no draft to check
@@ -237,7 +239,7 @@ class StepDrafter:
                 continue
             work.append((r, tree))
         if not work:
-            return
+            return not use_window
         preds = run_trees([(r.i, tree) for r, tree in work])
         self.stats.lookahead_passes += 1
         self.stats.pass_requests += len(work)
@@ -245,6 +247,7 @@ class StepDrafter:
         for (r, tree), pred in zip(work, preds):
             drafts[r.i] = read_tree(r.state, tree, pred)
             r.state.draft_checked = True
+        return not use_window
 
 
 class QuietBatches:
@@ -345,5 +348,5 @@ def _bound_view(r: Live, spec_k: int) -> RequestView:
     (not this step's pool or room), so the bound holds for later steps."""
     s = r.state.settings
     return RequestView(acc=r.state.acc, ngram_size=s.ngram_size, window_size=s.window_size,
-                       guess_set_size=s.guess_set_size, room=max(spec_k, r.room),
+                       guess_set_size=s.guess_set_size, room=spec_k,
                        trees=not r.state.seeded)
