@@ -138,14 +138,11 @@ class BestCase:
         for v in views:
             if not v.trees:
                 continue
-            for w in ([False, True] if v.window_size > 0 else [False]):
-                for g in [0] + _cand_steps(v.guess_set_size):
-                    if g == 0 and not w:
-                        continue
-                    m = min(max(v.acc.tree_gain(g, w), prior.tree_gain(g, w)), v.ngram_size - 1)
-                    nodes = tree_size(v.ngram_size, v.window_size if w else 0, g)
-                    old = trees.get((w, g), (0.0, nodes))
-                    trees[(w, g)] = (max(old[0], m * p_c), min(old[1], nodes))
+            for cols, g, nodes in _tree_options(v.ngram_size, v.window_size, v.guess_set_size):
+                w = cols > 0
+                m = min(max(v.acc.tree_gain(g, w), prior.tree_gain(g, w)), v.ngram_size - 1)
+                old = trees.get((w, g), (0.0, nodes))
+                trees[(w, g)] = (max(old[0], m * p_c), min(old[1], nodes))
         return cls(p_unchecked=p_u, max_draft=max(v.room for v in views), trees=trees)
 
 
@@ -295,9 +292,7 @@ class Planner:
                 t_base = n_tree - ctree
                 best, best_val = pick[r], None
                 for j, (oq, otree, otok, oextra) in enumerate(opts):
-                    sec = memo.get((q_base + oq, t_base + otree > 0))
-                    if sec is None:
-                        sec = seconds(q_base + oq, t_base + otree)
+                    sec = seconds(q_base + oq, t_base + otree)
                     val = otok - lam * (sec + oextra)
                     if best_val is None or val > best_val + 1e-12:
                         best, best_val = j, val
