@@ -67,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (greedy)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache per engine (MiB)")
+    p.add_argument("--compile", action="store_true",
+                   help="run the engines as vLLM does by default (torch.compile) "
+                        "instead of eager (enforce_eager=True, the default here)")
+    p.add_argument("--queue", action="store_true",
+                   help="batch size b = b requests running at once, fed from a queue of "
+                        "the set's prompts (a request joins when another finishes, as "
+                        "on a loaded server; one turn per set); default: b prompts "
+                        "submitted together and run to the end, turn by turn")
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engines of one model and dtype at once, taking turns "
                         "batch by batch, so drift in machine speed hits every method "

@@ -4,6 +4,9 @@ its group."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import itertools
 import json
 import os
 import resource
@@ -32,6 +35,33 @@ def _metric_values(llm) -> dict[str, float]:
             continue
         values[metric.name] = values.get(metric.name, 0) + value
     return values
+
+
+def generate_queued(engine, prompts: list, params, running: int) -> list[list[int]]:
+    """Greedy outputs of ``prompts`` fed through ``engine`` (vLLM's
+    ``LLMEngine``) from a queue, ``running`` requests at a time: a request
+    joins as soon as another finishes, as on a server under load (``--queue``;
+    ``LLM.generate`` of ``running`` prompts instead waits for the slowest).
+    Returns the token ids per prompt, in order."""
+    index: dict[str, int] = {}
+    outputs: list[list[int] | None] = [None] * len(prompts)
+    queue = list(range(len(prompts)))[::-1]
+    live = 0
+    while queue or live:
+        while queue and live < running:
+            i = queue.pop()
+            given = f"bench-queue-{_QUEUE_IDS.__next__()}"
+            index[given] = i
+            index[engine.add_request(given, prompts[i], params)] = i
+            live += 1
+        for out in engine.step():
+            if out.finished:
+                outputs[index[out.request_id]] = list(out.outputs[0].token_ids)
+                live -= 1
+    return outputs  # type: ignore[return-value]
+
+
+_QUEUE_IDS = itertools.count()
 
 
 def _peak_rss_mb() -> float:
@@ -68,6 +98,22 @@ class Turns:
         except (OSError, ValueError):
             return 0
 
+    @contextlib.contextmanager
+    def _lock(self):
+        """Reading the turn and passing it on is one step: without the lock
+        a process could pass on a turn it read before it had moved on."""
+        with open(self.dir / "lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _pass_if_held_by(self, k: int) -> None:
+        with self._lock():
+            if self._current() == k:
+                self._pass_from(k)
+
     def _pass_from(self, k: int) -> None:
         for step in range(1, self.count + 1):
             nxt = (k + step) % self.count
@@ -89,16 +135,15 @@ class Turns:
             if k == self.index:
                 return
             if self._done(k):  # its holder is gone: pass the turn on
-                self._pass_from(k)
+                self._pass_if_held_by(k)
             time.sleep(self.POLL_S)
 
     def release(self) -> None:
-        self._pass_from(self.index)
+        self._pass_if_held_by(self.index)
 
     def finish(self) -> None:
         (self.dir / f"done.{self.index}").touch()
-        if self._current() == self.index:
-            self._pass_from(self.index)
+        self._pass_if_held_by(self.index)
 
 
 def child_main(config_path: str, result_path: str) -> int:
@@ -123,7 +168,7 @@ def child_main(config_path: str, result_path: str) -> int:
             cfg["model_path"],
             dtype=cfg["dtype"],
             speculative_config=cfg["spec"],
-            enforce_eager=True,
+            enforce_eager=cfg.get("enforce_eager", True),
             max_model_len=cfg["max_model_len"],
             max_num_seqs=max(cfg["batch_sizes"]),
             kv_cache_memory_bytes=cfg["kv_cache_bytes"],
@@ -165,7 +210,8 @@ def child_main(config_path: str, result_path: str) -> int:
             token_lists = prompts[ds]
             for bs in cfg["batch_sizes"]:
                 section: dict[str, Any] = {"dataset": ds, "batch_size": bs,
-                                           "n_prompts": len(token_lists), "kind": kind}
+                                           "n_prompts": len(token_lists), "kind": kind,
+                                           "queue": bool(cfg.get("queue"))}
                 try:
                     metrics_before, la_before = _metric_values(llm), la_stats()
                     outputs: list[list[int]] = []
@@ -175,14 +221,21 @@ def child_main(config_path: str, result_path: str) -> int:
                                dynamic_ncols=True, disable=turns is not None)
                     cpu_s = 0.0
                     machine_s: float | None = 0.0
-                    for i in range(0, len(token_lists), bs):
-                        batch = [TokensPrompt(prompt_token_ids=p) for p in token_lists[i:i + bs]]
+                    # --queue: a turn feeds the whole set, bs requests at a time
+                    chunk = len(token_lists) if cfg.get("queue") else bs
+                    for i in range(0, len(token_lists), chunk):
+                        batch = [TokensPrompt(prompt_token_ids=p)
+                                 for p in token_lists[i:i + chunk]]
                         if turns is not None:
                             turns.acquire()
                         try:
                             c0, m0 = time.process_time(), machine_busy_s()
                             t0 = time.perf_counter()
-                            outs = llm.generate(batch, params, use_tqdm=False)
+                            if cfg.get("queue"):
+                                outs = generate_queued(llm.llm_engine, batch, params, bs)
+                            else:
+                                outs = [list(o.outputs[0].token_ids)
+                                        for o in llm.generate(batch, params, use_tqdm=False)]
                             elapsed += time.perf_counter() - t0
                             cpu_s += time.process_time() - c0
                             m1 = machine_busy_s()
@@ -194,7 +247,7 @@ def child_main(config_path: str, result_path: str) -> int:
                         if turns is not None:
                             with open(cfg["turn"]["dir"] + f"/progress.{turns.index}", "a") as f:
                                 f.write(f"{len(batch)}\n")
-                        outputs.extend(list(o.outputs[0].token_ids) for o in outs)
+                        outputs.extend(outs)
                         bar.update(len(batch))
                         if elapsed > 0:
                             bar.set_postfix_str(

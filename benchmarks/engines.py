@@ -213,6 +213,22 @@ def _rows_for_run(base: dict[str, Any], method: Method, run: RunResult,
     return rows
 
 
+def child_config(args: argparse.Namespace, path: Path | None, dtype: str,
+                 method: Method) -> dict[str, Any]:
+    """What one engine's child process runs (written to its config JSON)."""
+    return {
+        "model_path": str(path), "dtype": dtype, "label": method.label,
+        "kind": method.kind, "spec": method.spec,
+        "datasets": args.datasets, "prompts": args.prompts,
+        "batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens,
+        "max_model_len": args.max_model_len,
+        "kv_cache_bytes": args.kv_cache_mib << 20,
+        # vLLM's default is torch.compile; the suite runs eager unless --compile
+        "enforce_eager": not args.compile,
+        "queue": args.queue,
+    }
+
+
 def run_benchmark(args: argparse.Namespace, methods: list[Method], argv: Sequence[str]) -> dict:
     from tqdm import tqdm
 
@@ -239,14 +255,7 @@ def run_benchmark(args: argparse.Namespace, methods: list[Method], argv: Sequenc
             tqdm.write(f"error: model {model}: {model_error}", file=sys.stderr)
         for dtype in args.dtypes:
             base = {"model": model, "dtype": dtype, "max_tokens": args.max_tokens}
-            cfgs = [{
-                "model_path": str(path), "dtype": dtype, "label": method.label,
-                "kind": method.kind, "spec": method.spec,
-                "datasets": args.datasets, "prompts": args.prompts,
-                "batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens,
-                "max_model_len": args.max_model_len,
-                "kv_cache_bytes": args.kv_cache_mib << 20,
-            } for method in methods]
+            cfgs = [child_config(args, path, dtype, method) for method in methods]
             if model_error is not None:
                 group = [RunResult(error=model_error) for _ in methods]
             elif args.interleave and len(methods) > 1:

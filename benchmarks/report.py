@@ -117,6 +117,9 @@ def _plot_title(meta: dict[str, Any]) -> str:
     args = meta.get("args") or {}
     if args.get("max_tokens"):
         parts.append(f"greedy, {args['max_tokens']} new tokens")
+    parts.append("compiled" if args.get("compile") else "eager")
+    if args.get("queue"):
+        parts.append("batch = requests running, fed from a queue")
     return " | ".join(p for p in parts if p)
 
 

@@ -322,3 +322,63 @@ def test_turns_are_round_robin_and_skip_dead_processes(tmp_path):
     assert not any(t.is_alive() for t in threads)
     # 0, 1, 3 in turn; once 1 is done, 0 and 3 alternate.
     assert order == [0, 1, 3, 0, 3, 0, 3]
+
+
+def test_compile_flag_reaches_the_engine_config_and_the_title() -> None:
+    import engines
+
+    method = methods.parse_method("la")
+    for argv, eager in (([], True), (["--compile"], False)):
+        args = bench.build_parser().parse_args(argv)
+        cfg = engines.child_config(args, Path("/m"), "float32", method)
+        assert cfg["enforce_eager"] is eager
+        assert cfg["spec"] == method.spec and cfg["dtype"] == "float32"
+        title = report._plot_title({"args": vars(args)})
+        assert title.endswith("compiled" if not eager else "eager")
+
+
+def test_queue_keeps_the_batch_full_and_returns_outputs_in_order() -> None:
+    """``--queue``: never more than ``running`` requests live, a new one
+    joins on the step after one finishes, and the outputs come back in the
+    prompts' order whatever order the requests finish in."""
+    from types import SimpleNamespace
+
+    class FakeEngine:
+        def __init__(self, lengths):
+            self.lengths = lengths  # prompt -> steps it runs
+            self.live: dict[str, list] = {}
+            self.max_live = 0
+            self.steps = 0
+
+        def add_request(self, request_id, prompt, params):
+            internal = request_id + "-x"  # vLLM may rename a request
+            self.live[internal] = [prompt, 0]
+            self.max_live = max(self.max_live, len(self.live))
+            return internal
+
+        def step(self):
+            self.steps += 1
+            outs = []
+            for rid, st in list(self.live.items()):
+                st[1] += 1
+                if st[1] == self.lengths[st[0]]:
+                    del self.live[rid]
+                    outs.append(SimpleNamespace(
+                        request_id=rid, finished=True,
+                        outputs=[SimpleNamespace(token_ids=(st[0],) * st[1])]))
+            return outs
+
+    lengths = {"a": 5, "b": 1, "c": 1, "d": 1, "e": 2}
+    eng = FakeEngine(lengths)
+    out = child.generate_queued(eng, list("abcde"), None, 2)
+    assert out == [["a"] * 5, ["b"], ["c"], ["d"], ["e"] * 2]
+    assert eng.max_live == 2
+    # a runs 5 steps; b, c, d, e share the other slot one after another (1+1+1+2)
+    assert eng.steps == 5
+    # run to the end in batches of 2, the same prompts take 5 + 1 + 2 = 8 steps
+    args = bench.build_parser().parse_args(["--queue"])
+    import engines
+
+    assert engines.child_config(args, Path("/m"), "float32",
+                                methods.parse_method("vanilla"))["queue"] is True
+    assert "queue" in report._plot_title({"args": vars(args)})
