@@ -284,6 +284,22 @@ def test_curve_interpolates_and_extrapolates():
         CostCurve({1: [(1, -1.0)]})
 
 
+def test_a_curve_level_at_its_end_still_prices_tokens_past_it():
+    """Measured under load, a curve came out 115, 122, 194.5, 194.5 ms at
+    1, 2, 4, 8 tokens: extrapolated from its last two points, every token
+    past 8 (and so every draft at batch 16, read at 16x the tokens) cost
+    nothing. Past the end the slope is at least the range's average."""
+    c = CostCurve({1: [(1, 0.115), (2, 0.122), (4, 0.1945), (8, 0.1945)]})
+    mean = (0.1945 - 0.115) / 7
+    assert c.predict(1, 8) == pytest.approx(0.1945)
+    assert c.predict(1, 16) == pytest.approx(0.1945 + 8 * mean)
+    assert c.predict(16, 2) > c.predict(16, 1) > c.predict(1, 8)
+    # inside the range nothing changes; a flat curve stays flat
+    assert c.predict(1, 6) == pytest.approx(0.1945)
+    flat = CostCurve.flat(0.05)
+    assert flat.predict(16, 4) == pytest.approx(flat.predict(1, 1))
+
+
 def test_model_corrects_from_seen_steps():
     m = CostModel(CostCurve.flat(0.05))
     m.observe(1, 1, 5.0)  # the first tree steps of an engine are not booked

@@ -78,8 +78,11 @@ class CostCurve:
 
     def _at(self, batch: int, tokens: float) -> float:
         """Piecewise-linear in tokens for one measured batch; linear
-        extrapolation past the last point (from the last two), flat below
-        the first."""
+        extrapolation past the last point, flat below the first. Past the
+        last point the slope is the last two points' or the whole range's
+        average, whichever is steeper: a curve whose last points came out
+        level (noise, a measurement under load) must not price every token
+        past its end at nothing."""
         pts = self.points[batch]
         ts = [t for t, _ in pts]
         if tokens <= ts[0] or len(pts) == 1:
@@ -90,10 +93,11 @@ class CostCurve:
         i = bisect.bisect_left(ts, tokens)
         if i >= len(pts):
             (t0, s0), (t1, s1) = pts[-2], pts[-1]
-        else:
-            (t0, s0), (t1, s1) = pts[i - 1], pts[i]
-        slope = max((s1 - s0) / (t1 - t0), 0.0)
-        return s1 + slope * (tokens - t1) if i >= len(pts) else s0 + slope * (tokens - t0)
+            mean = (s1 - pts[0][1]) / (t1 - pts[0][0])
+            slope = max((s1 - s0) / (t1 - t0), mean, 0.0)
+            return s1 + slope * (tokens - t1)
+        (t0, s0), (t1, s1) = pts[i - 1], pts[i]
+        return s0 + max((s1 - s0) / (t1 - t0), 0.0) * (tokens - t0)
 
     def predict(self, batch: int, tokens: float) -> float:
         """Seconds of a step of ``batch`` requests with ``tokens`` query
