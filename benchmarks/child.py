@@ -50,7 +50,7 @@ def generate_queued(engine, prompts: list, params, running: int) -> list[list[in
     while queue or live:
         while queue and live < running:
             i = queue.pop()
-            given = f"bench-queue-{_QUEUE_IDS.__next__()}"
+            given = f"bench-queue-{next(_QUEUE_IDS)}"
             index[given] = i
             index[engine.add_request(given, prompts[i], params)] = i
             live += 1
@@ -203,6 +203,7 @@ def child_main(config_path: str, result_path: str) -> int:
         if after_warm is not None:
             result["config_seen"] = after_warm.get("config")
         turns = Turns(cfg["turn"]) if cfg.get("turn") else None
+        queued = bool(cfg.get("queue"))
         if turns is not None:
             turns.ready()
 
@@ -211,7 +212,7 @@ def child_main(config_path: str, result_path: str) -> int:
             for bs in cfg["batch_sizes"]:
                 section: dict[str, Any] = {"dataset": ds, "batch_size": bs,
                                            "n_prompts": len(token_lists), "kind": kind,
-                                           "queue": bool(cfg.get("queue"))}
+                                           "queue": queued}
                 try:
                     metrics_before, la_before = _metric_values(llm), la_stats()
                     outputs: list[list[int]] = []
@@ -222,7 +223,7 @@ def child_main(config_path: str, result_path: str) -> int:
                     cpu_s = 0.0
                     machine_s: float | None = 0.0
                     # --queue: a turn feeds the whole set, bs requests at a time
-                    chunk = len(token_lists) if cfg.get("queue") else bs
+                    chunk = len(token_lists) if queued else bs
                     for i in range(0, len(token_lists), chunk):
                         batch = [TokensPrompt(prompt_token_ids=p)
                                  for p in token_lists[i:i + chunk]]
@@ -231,7 +232,7 @@ def child_main(config_path: str, result_path: str) -> int:
                         try:
                             c0, m0 = time.process_time(), machine_busy_s()
                             t0 = time.perf_counter()
-                            if cfg.get("queue"):
+                            if queued:
                                 outs = generate_queued(llm.llm_engine, batch, params, bs)
                             else:
                                 outs = [list(o.outputs[0].token_ids)

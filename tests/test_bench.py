@@ -373,9 +373,9 @@ def test_queue_keeps_the_batch_full_and_returns_outputs_in_order() -> None:
     out = child.generate_queued(eng, list("abcde"), None, 2)
     assert out == [["a"] * 5, ["b"], ["c"], ["d"], ["e"] * 2]
     assert eng.max_live == 2
-    # a runs 5 steps; b, c, d, e share the other slot one after another (1+1+1+2)
+    # a runs 5 steps; b, c, d, e share the other slot one after another
+    # (1+1+1+2); run to the end in batches of 2 they would take 5 + 1 + 2 = 8
     assert eng.steps == 5
-    # run to the end in batches of 2, the same prompts take 5 + 1 + 2 = 8 steps
     args = bench.build_parser().parse_args(["--queue"])
     import engines
 
