@@ -99,15 +99,24 @@ class Turns:
             return 0
 
     @contextlib.contextmanager
-    def _lock(self):
-        """Reading the turn and passing it on is one step: without the lock
-        a process could pass on a turn it read before it had moved on."""
-        with open(self.dir / "lock", "a") as f:
+    def _lock(self, name: str = "lock"):
+        """An exclusive lock of the group's processes. ``"lock"``: reading
+        the turn and passing it on is one step (without it a process could
+        pass on a turn it read before it had moved on)."""
+        with open(self.dir / name, "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
+    def starting(self):
+        """Engines start (load, warm up) one at a time: lookahead measures
+        its step cost curve as it warms up, and measured while other engines
+        load on the same cores it comes out wrong (level where it should
+        rise) and the planner prices drafts at nothing. A process that dies
+        holding it lets go (the lock is the open file's)."""
+        return self._lock("start")
 
     def _pass_if_held_by(self, k: int) -> None:
         with self._lock():
@@ -163,19 +172,27 @@ def child_main(config_path: str, result_path: str) -> int:
         result["prompt_tokens"] = {ds: [len(p) for p in ps] for ds, ps in prompts.items()}
         kind = cfg["kind"]
 
-        started = time.perf_counter()
-        llm = LLM(
-            cfg["model_path"],
-            dtype=cfg["dtype"],
-            speculative_config=cfg["spec"],
-            enforce_eager=cfg.get("enforce_eager", True),
-            max_model_len=cfg["max_model_len"],
-            max_num_seqs=max(cfg["batch_sizes"]),
-            kv_cache_memory_bytes=cfg["kv_cache_bytes"],
-            seed=0,
-            disable_log_stats=False,
-        )
-        result["engine_start_s"] = time.perf_counter() - started
+        turns = Turns(cfg["turn"]) if cfg.get("turn") else None
+        # one engine starts at a time (Turns.starting)
+        with turns.starting() if turns is not None else contextlib.nullcontext():
+            started = time.perf_counter()
+            llm = LLM(
+                cfg["model_path"],
+                dtype=cfg["dtype"],
+                speculative_config=cfg["spec"],
+                enforce_eager=cfg.get("enforce_eager", True),
+                max_model_len=cfg["max_model_len"],
+                max_num_seqs=max(cfg["batch_sizes"]),
+                kv_cache_memory_bytes=cfg["kv_cache_bytes"],
+                seed=0,
+                disable_log_stats=False,
+            )
+            result["engine_start_s"] = time.perf_counter() - started
+            first = next((ps for ps in prompts.values() if ps), [])
+            if first:  # warm-up: one short generate, batched up to the largest batch
+                warm = [TokensPrompt(prompt_token_ids=p)
+                        for p in first[: max(1, min(max(cfg["batch_sizes"]), len(first)))]]
+                llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
 
         stats_fn = None
         if kind == "lookahead":
@@ -193,16 +210,10 @@ def child_main(config_path: str, result_path: str) -> int:
                 return None
 
         params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"])
-        first = next((ps for ps in prompts.values() if ps), [])
-        if first:  # warm-up: one short generate, batched up to the largest batch
-            warm = [TokensPrompt(prompt_token_ids=p)
-                    for p in first[: max(1, min(max(cfg["batch_sizes"]), len(first)))]]
-            llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
         result["config_seen"] = None
         after_warm = la_stats()
         if after_warm is not None:
             result["config_seen"] = after_warm.get("config")
-        turns = Turns(cfg["turn"]) if cfg.get("turn") else None
         queued = bool(cfg.get("queue"))
         if turns is not None:
             turns.ready()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -322,6 +323,31 @@ def test_turns_are_round_robin_and_skip_dead_processes(tmp_path):
     assert not any(t.is_alive() for t in threads)
     # 0, 1, 3 in turn; once 1 is done, 0 and 3 alternate.
     assert order == [0, 1, 3, 0, 3, 0, 3]
+
+
+def test_engines_start_one_at_a_time(tmp_path):
+    """Lookahead measures its step cost as its engine starts: no other
+    engine of the group may load or warm up meanwhile."""
+    import threading
+
+    inside, most, lock = [0], [0], threading.Lock()
+
+    def start(k):
+        with child.Turns({"dir": str(tmp_path), "index": k, "count": 3}).starting():
+            with lock:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.05)
+            with lock:
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=start, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert not any(t.is_alive() for t in threads)
+    assert most[0] == 1
 
 
 def test_compile_flag_reaches_the_engine_config_and_the_title() -> None:

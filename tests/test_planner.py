@@ -338,6 +338,30 @@ def test_steps_at_one_length_keep_the_curves_draft_cost():
     assert 0.5 * prior_slope < slope < 2 * prior_slope
 
 
+def test_more_requests_with_fewer_drafts_each_keep_the_draft_cost():
+    """Fed from a queue, bucket 8 runs steps of 9-15 requests, and the more
+    there are the less each drafts. Fitted in tokens per request alone, the
+    extra requests' cost hid the drafts' (the fit's slope went to 0: drafts
+    looked free and the planner over-drafted at batch 16). Fitted in
+    requests and the step's draft tokens together, both come out."""
+    # measured under load: level from 2 tokens on
+    m = CostModel(CostCurve({1: [(1, 0.152), (2, 0.1627), (4, 0.1627), (8, 0.1627)]}))
+    per_request, per_draft = 0.006, 0.004
+    rng = random.Random(0)
+    for _ in range(400):
+        r = rng.randint(9, 15)
+        drafts = r * max(0.0, (16 - r) / 3 + rng.uniform(-0.5, 0.5))
+        sec = 0.080 + per_request * r + per_draft * drafts
+        m.observe(r, 1 + drafts / r, sec * rng.uniform(0.97, 1.03), tree=False)
+    m.agreed(m.local_factors())
+    for r in (9, 12, 15):
+        cost = m.predict(r, 2, tree=False) - m.predict(r, 1, tree=False)  # one draft each
+        assert cost == pytest.approx(r * per_draft, rel=0.25)
+        drafts = r * (16 - r) / 3  # the steps seen there
+        assert m.predict(r, 1 + drafts / r, tree=False) == pytest.approx(
+            0.080 + per_request * r + per_draft * drafts, rel=0.05)
+
+
 def test_a_step_with_trees_never_costs_less_than_without():
     """The tree factor and the plain line learn from different steps; where
     they disagree (steps without trees slower than the curve, tree steps

@@ -186,38 +186,55 @@ def measure_curve(
     return CostCurve(points)
 
 
-class _Affine:
-    """Exponentially weighted least squares of ``y = a + b * (x - 1)``, the
-    slope held towards a prior slope that is never forgotten
-    (:meth:`set_slope_prior`: ``strength`` is in weight times x squared):
-    where the points seen all have about the same x (an engine that drafts
-    little), they set the line's height and leave its slope at the prior."""
+class _Plane:
+    """Exponentially weighted least squares of ``y = a + p * u + q * v``
+    (``u``: requests past the batch bucket's size, ``v``: the step's draft
+    tokens, all requests together), both slopes held towards prior slopes
+    that are never forgotten (:meth:`set_slope_prior`: ``strength`` is in
+    weight times squared units): where the steps seen hardly vary in ``u``
+    or ``v`` (an engine that drafts little), they set the plane's height and
+    leave that slope at its prior. Fitting both at once keeps them apart
+    where they move together (fed from a queue, a step of more requests
+    carries fewer draft tokens each: a fit in tokens per request alone took
+    the extra requests' cost for the drafts' saving and priced drafts at
+    nothing)."""
 
-    __slots__ = ("w", "x", "y", "xx", "xy", "b0", "strength")
+    __slots__ = ("s", "prior", "strength")
 
     def __init__(self) -> None:
-        self.w = self.x = self.y = self.xx = self.xy = 0.0
-        self.b0 = self.strength = 0.0
+        # weighted sums of 1, u, v, y, uu, uv, vv, uy, vy
+        self.s = [0.0] * 9
+        self.prior = self.strength = (0.0, 0.0)
 
-    def set_slope_prior(self, slope: float, strength: float) -> None:
-        self.b0, self.strength = slope, strength
+    def set_slope_prior(self, p: float, q: float, strength_p: float, strength_q: float) -> None:
+        self.prior, self.strength = (p, q), (strength_p, strength_q)
 
-    def add(self, x: float, y: float, weight: float = 1.0, keep: float = 1.0) -> None:
-        x -= 1.0
-        self.w = self.w * keep + weight
-        self.x = self.x * keep + weight * x
-        self.y = self.y * keep + weight * y
-        self.xx = self.xx * keep + weight * x * x
-        self.xy = self.xy * keep + weight * x * y
+    def add(self, u: float, v: float, y: float, weight: float = 1.0, keep: float = 1.0) -> None:
+        s = self.s
+        for i, x in enumerate((1.0, u, v, y, u * u, u * v, v * v, u * y, v * y)):
+            s[i] = s[i] * keep + weight * x
 
-    def fit(self) -> tuple[float, float]:
-        mx, my = self.x / self.w, self.y / self.w
-        spread = self.xx - self.w * mx * mx  # weight times the variance of x
-        cov = self.xy - self.w * mx * my
-        den = spread + self.strength
-        b = (cov + self.strength * self.b0) / den if den > 1e-9 else 0.0
-        b = max(b, 0.0)  # more rows never cost less
-        return my - b * mx, b
+    def fit(self) -> tuple[float, float, float]:
+        """``(a, p, q)``; neither slope negative (more rows never cost less)."""
+        w, su, sv, sy, suu, suv, svv, suy, svy = self.s
+        mu, mv, my = su / w, sv / w, sy / w
+        (p0, q0), (kp, kq) = self.prior, self.strength
+        cuu = suu - w * mu * mu + kp
+        cvv = svv - w * mv * mv + kq
+        cuv = suv - w * mu * mv
+        ru = suy - w * mu * my + kp * p0
+        rv = svy - w * mv * my + kq * q0
+        det = cuu * cvv - cuv * cuv
+        if det > 1e-18:
+            p = (ru * cvv - rv * cuv) / det
+            q = (rv * cuu - ru * cuv) / det
+        else:
+            p = q = 0.0
+        if p < 0:  # refit the other slope alone
+            p, q = 0.0, max(rv / cvv, 0.0) if cvv > 1e-12 else 0.0
+        elif q < 0:
+            p, q = max(ru / cuu, 0.0) if cuu > 1e-12 else 0.0, 0.0
+        return my - p * mu - q * mv, p, q
 
 
 class CostModel:
@@ -226,31 +243,39 @@ class CostModel:
 
     * Steps **with trees**: the curve (measured through the tree-attention
       path, which such steps run), times a running correction factor
-      (before any tree step of the batch bucket: the plain line's height
+      (before any tree step of the batch bucket: the plain plane's height
       over the curve's, see below): the
       exponentially weighted mean of log(seen / predicted), each step's
       ratio clipped to ``[1/2, 2]``, the first :data:`SKIP_FIRST` steps of
       an engine left out.
     * Steps **without trees** (vLLM's rows only: the newest token and a
-      draft, through vLLM's own attention): a line ``a + b * (tokens - 1)``
-      fitted to the step times seen (weighted least squares with
-      forgetting), starting from the curve less its fixed jump from 1 to 2
-      rows (:meth:`plain`) as a prior. The slope matters: it is what a
-      draft token costs, which the tree-path curve does not tell; it moves
-      off the curve's only as far as steps with drafts of different lengths
-      show (an engine that drafts little keeps the curve's slope).
+      draft, through vLLM's own attention): per batch bucket ``b``, a plane
+      ``a + p * (requests - b) + q * draft_tokens`` (``draft_tokens``: the
+      whole step's, ``requests * (tokens - 1)``) fitted to the step times
+      seen (weighted least squares with forgetting), starting from the
+      curve less its fixed jump from 1 to 2 rows (:meth:`plain`) as a
+      prior. ``q`` matters: it is what a draft token costs, which the
+      tree-path curve does not tell; it moves off the curve's only as far
+      as steps with different drafts show (an engine that drafts little
+      keeps the curve's), and apart from what more requests cost (a queue
+      that keeps a batch full runs steps of 9-15 requests in bucket 8,
+      drafting less per request the more there are).
 
     With tensor parallelism every rank must plan alike: :meth:`agreed`
     installs the corrections all ranks use (the proposer broadcasts rank 0's
     every ``agree_every`` steps), and :meth:`predict` reads only those.
     """
 
-    #: Pseudo-observations the curve's plain line counts for (forgotten
+    #: Pseudo-observations the curve's plain plane counts for (forgotten
     #: as steps are seen).
     PRIOR_WEIGHT = 4.0
-    #: How strongly the plain line's slope is held to the curve's, never
-    #: forgotten (weight times squared draft tokens: one step with a draft
-    #: one token longer than the others counts as much).
+    #: How strongly the plain plane's slopes are held to the curve's, never
+    #: forgotten, in weight times squared units: for the draft tokens'
+    #: slope times the bucket's size squared (one step with a draft one
+    #: token per request longer than the others counts as much), for the
+    #: requests' times the bucket's size (a queue moves the batch size
+    #: within a bucket all the time, and a curve measured under load may
+    #: tell little of it).
     SLOPE_PRIOR = 1.0
     #: Steps with trees not booked at the start of an engine (one-time costs).
     SKIP_FIRST = 2
@@ -261,9 +286,9 @@ class CostModel:
         self.source = source
         self._log: dict[int, float] = {}  # steps with trees: bucket -> log factor
         self._n: dict[int, int] = {}
-        self._lines: dict[int, _Affine] = {}  # steps without trees: bucket -> fit
+        self._lines: dict[int, _Plane] = {}  # steps without trees: bucket -> fit
         #: agreed corrections, used by predict: (bucket, True) -> factor,
-        #: (bucket, False) -> (a, b) of the plain line.
+        #: (bucket, False) -> (a, p, q) of the plain plane.
         self.factors: dict[tuple[int, bool], object] = {}
         #: predict's answers since the last :meth:`agreed` (they depend on
         #: the curve and the agreed corrections only; the planner asks the
@@ -311,11 +336,9 @@ class CostModel:
         line = self.factors.get((b, False))
         if line is None:
             return self.plain(batch, tokens)
-        # the fitted line is per request-token at the bucket's batch size;
-        # scale by the curve for other batch sizes within the bucket
-        a, slope = line
-        scale = self.plain(batch, tokens) / max(self.plain(b, tokens), 1e-12)
-        return max(a + slope * (max(tokens, 1.0) - 1), 1e-6) * scale
+        a, p, q = line
+        batch = max(int(batch), 1)
+        return max(a + p * (batch - b) + q * batch * (max(tokens, 1.0) - 1), 1e-6)
 
     def observe(self, batch: int, tokens: float, seconds: float, tree: bool = True) -> None:
         """A step of ``batch`` requests, ``tokens`` query tokens each on
@@ -326,13 +349,15 @@ class CostModel:
         if not tree:
             line = self._lines.get(b)
             if line is None:
-                line = self._lines[b] = _Affine()
+                line = self._lines[b] = _Plane()
                 for t in (1, 2, 4, 8):  # the prior: the curve's plain line
-                    line.add(t, self.plain(b, t), self.PRIOR_WEIGHT / 4)
-                line.set_slope_prior((self.plain(b, 8) - self.plain(b, 1)) / 7,
-                                     self.SLOPE_PRIOR)
-            seconds *= self.plain(b, tokens) / max(self.plain(batch, tokens), 1e-12)
-            line.add(tokens, seconds, 1.0, keep=1 - self.ema)
+                    line.add(0.0, b * (t - 1), self.plain(b, t), self.PRIOR_WEIGHT / 4)
+                line.set_slope_prior(
+                    max(self.plain(2 * b, 1) - self.plain(b, 1), 0.0) / b,
+                    (self.plain(b, 8) - self.plain(b, 1)) / (7 * b),
+                    self.SLOPE_PRIOR * b, self.SLOPE_PRIOR * b * b)
+            batch = max(int(batch), 1)
+            line.add(batch - b, batch * (max(tokens, 1.0) - 1), seconds, 1.0, keep=1 - self.ema)
             return
         n = self._n.get(b, 0)
         self._n[b] = n + 1
@@ -360,7 +385,8 @@ class CostModel:
             if t:
                 corr[f"{b}:tree"] = round(f, 3)
             else:
-                corr[f"{b}:plain_ms"] = [round(f[0] * 1e3, 3), round(f[1] * 1e3, 3)]
+                # [a, per request past the bucket's size, per draft token]
+                corr[f"{b}:plain_ms"] = [round(x * 1e3, 3) for x in f]
         return {
             "source": self.source,
             "curve_ms": {str(b): [[t, round(s * 1e3, 3)] for t, s in pts]
