@@ -37,14 +37,22 @@ def _metric_values(llm) -> dict[str, float]:
     return values
 
 
-def generate_queued(engine, prompts: list, params, running: int) -> list[list[int]]:
+def generate_queued(engine, prompts: list, params, running: int,
+                    full: dict | None = None) -> list[list[int]]:
     """Greedy outputs of ``prompts`` fed through ``engine`` (vLLM's
     ``LLMEngine``) from a queue, ``running`` requests at a time: a request
     joins as soon as another finishes, as on a server under load (``--queue``;
     ``LLM.generate`` of ``running`` prompts instead waits for the slowest).
-    Returns the token ids per prompt, in order."""
+    Returns the token ids per prompt, in order.
+
+    ``full``: adds up ``tokens``, ``seconds`` and ``steps`` of the engine
+    steps that ran with the batch full (``running`` requests), leaving out
+    the drain at the end, when the queue is empty and the batch shrinks: a
+    server under steady load never drains, and a finite set drains longest
+    where requests finish at different steps (with speculation)."""
     index: dict[str, int] = {}
     outputs: list[list[int] | None] = [None] * len(prompts)
+    seen: dict[str, int] = {}
     queue = list(range(len(prompts)))[::-1]
     live = 0
     while queue or live:
@@ -54,10 +62,22 @@ def generate_queued(engine, prompts: list, params, running: int) -> list[list[in
             index[given] = i
             index[engine.add_request(given, prompts[i], params)] = i
             live += 1
-        for out in engine.step():
+        was_full = live == running
+        t0 = time.perf_counter()
+        step = engine.step()
+        took = time.perf_counter() - t0
+        new = 0
+        for out in step:
+            n = len(out.outputs[0].token_ids)
+            new += n - seen.get(out.request_id, 0)
+            seen[out.request_id] = n
             if out.finished:
                 outputs[index[out.request_id]] = list(out.outputs[0].token_ids)
                 live -= 1
+        if full is not None and was_full:
+            full["tokens"] = full.get("tokens", 0) + new
+            full["seconds"] = full.get("seconds", 0.0) + took
+            full["steps"] = full.get("steps", 0) + 1
     return outputs  # type: ignore[return-value]
 
 
@@ -233,6 +253,7 @@ def child_main(config_path: str, result_path: str) -> int:
                                dynamic_ncols=True, disable=turns is not None)
                     cpu_s = 0.0
                     machine_s: float | None = 0.0
+                    full: dict | None = {} if queued else None
                     # --queue: a turn feeds the whole set, bs requests at a time
                     chunk = len(token_lists) if queued else bs
                     for i in range(0, len(token_lists), chunk):
@@ -244,7 +265,7 @@ def child_main(config_path: str, result_path: str) -> int:
                             c0, m0 = time.process_time(), machine_busy_s()
                             t0 = time.perf_counter()
                             if queued:
-                                outs = generate_queued(llm.llm_engine, batch, params, bs)
+                                outs = generate_queued(llm.llm_engine, batch, params, bs, full)
                             else:
                                 outs = [list(o.outputs[0].token_ids)
                                         for o in llm.generate(batch, params, use_tqdm=False)]
@@ -268,6 +289,7 @@ def child_main(config_path: str, result_path: str) -> int:
                     section.update(
                         output_tokens=sum(map(len, outputs)),
                         elapsed_s=elapsed,
+                        full_batch=full,
                         cpu_s=cpu_s,
                         machine_cpu_s=machine_s,
                         outputs=outputs,

@@ -75,6 +75,9 @@ def section_figures(raw: dict[str, Any]) -> dict[str, Any]:
         "output_tokens": out_tokens,
         "elapsed_s": elapsed,
         "tokens_per_s": _ratio(out_tokens, elapsed),
+        # --queue: tokens/s of the steps run with the batch full (no drain)
+        "full_tokens_per_s": _ratio((raw.get("full_batch") or {}).get("tokens"),
+                                    (raw.get("full_batch") or {}).get("seconds")),
         "accepted_tokens": accepted,
         "drafts": drafts,
         "draft_tokens": draft_tokens,
@@ -167,8 +170,10 @@ def first_differences(outputs, reference) -> list[int | None] | None:
 
 def add_relative_figures(rows: list[dict[str, Any]],
                          outputs: dict[tuple, list[list[int]]] | None = None) -> None:
-    """Fill ``ratio`` (tokens/s over vanilla's) and, given the output tokens
-    keyed by row key, ``match`` / ``first_diff`` against vanilla's, in place.
+    """Fill ``ratio`` (tokens/s over vanilla's), ``full_ratio`` (the same
+    over the steps run with the batch full, ``--queue``) and, given the
+    output tokens keyed by row key, ``match`` / ``first_diff`` against
+    vanilla's, in place.
 
     The reference is the vanilla row with the same model, dtype, dataset and
     batch size.
@@ -176,9 +181,11 @@ def add_relative_figures(rows: list[dict[str, Any]],
     vanilla = {_group_key(r): r for r in rows if r.get("kind") == "vanilla" and not r.get("error")}
     for row in rows:
         ref = vanilla.get(_group_key(row))
-        row["ratio"] = None
+        row["ratio"] = row["full_ratio"] = None
         if ref is not None and not row.get("error"):
             row["ratio"] = _ratio(row.get("tokens_per_s"), ref.get("tokens_per_s"))
+            row["full_ratio"] = _ratio(row.get("full_tokens_per_s"),
+                                       ref.get("full_tokens_per_s"))
         if outputs is not None:
             mine = outputs.get(row_key(row))
             theirs = outputs.get(row_key(ref)) if ref is not None else None

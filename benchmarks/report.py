@@ -36,6 +36,7 @@ COLUMNS = [
     ("method", 22, None),
     ("tok/s", 7, "tokens_per_s"),
     ("ratio", 6, "ratio"),
+    ("full", 5, "full_ratio"),
     ("S", 5, "step_compression"),
     ("acc.len", 7, "mean_accepted_len"),
     ("acc%", 5, "acceptance_rate"),
@@ -63,7 +64,7 @@ def _fmt(key: str, value: Any) -> str:
         return f"{value[0]}/{value[1]}"
     if key == "acceptance_rate":
         return f"{100 * value:.0f}"
-    if key in ("ratio", "step_compression", "mean_accepted_len", "forwards_per_step"):
+    if key in ("ratio", "full_ratio", "step_compression", "mean_accepted_len", "forwards_per_step"):
         return f"{value:.2f}"
     if key == "proposer_ms_per_step":
         return f"{value:.1f}"

@@ -382,16 +382,17 @@ def test_queue_keeps_the_batch_full_and_returns_outputs_in_order() -> None:
             self.max_live = max(self.max_live, len(self.live))
             return internal
 
-        def step(self):
+        def step(self):  # every live request's output so far, as vLLM's
             self.steps += 1
             outs = []
             for rid, st in list(self.live.items()):
                 st[1] += 1
-                if st[1] == self.lengths[st[0]]:
+                done = st[1] == self.lengths[st[0]]
+                if done:
                     del self.live[rid]
-                    outs.append(SimpleNamespace(
-                        request_id=rid, finished=True,
-                        outputs=[SimpleNamespace(token_ids=(st[0],) * st[1])]))
+                outs.append(SimpleNamespace(
+                    request_id=rid, finished=done,
+                    outputs=[SimpleNamespace(token_ids=(st[0],) * st[1])]))
             return outs
 
     lengths = {"a": 5, "b": 1, "c": 1, "d": 1, "e": 2}
@@ -402,6 +403,12 @@ def test_queue_keeps_the_batch_full_and_returns_outputs_in_order() -> None:
     # a runs 5 steps; b, c, d, e share the other slot one after another
     # (1+1+1+2); run to the end in batches of 2 they would take 5 + 1 + 2 = 8
     assert eng.steps == 5
+    # the steps run with the batch full are counted apart from the drain:
+    # a and b, then a and c, then c alone for its last two steps
+    full: dict = {}
+    out = child.generate_queued(FakeEngine({"a": 2, "b": 1, "c": 4}), list("abc"), None, 2, full)
+    assert sum(map(len, out)) == 7
+    assert full["steps"] == 2 and full["tokens"] == 4 and full["seconds"] > 0
     args = bench.build_parser().parse_args(["--queue"])
     import engines
 
