@@ -187,54 +187,98 @@ def measure_curve(
 
 
 class _Plane:
-    """Exponentially weighted least squares of ``y = a + p * u + q * v``
+    """Exponentially weighted least squares of ``y = a + p*u + q*v + r*m``
     (``u``: requests past the batch bucket's size, ``v``: the step's draft
-    tokens, all requests together), both slopes held towards prior slopes
-    that are never forgotten (:meth:`set_slope_prior`: ``strength`` is in
-    weight times squared units): where the steps seen hardly vary in ``u``
-    or ``v`` (an engine that drafts little), they set the plane's height and
-    leave that slope at its prior. Fitting both at once keeps them apart
-    where they move together (fed from a queue, a step of more requests
-    carries fewer draft tokens each: a fit in tokens per request alone took
-    the extra requests' cost for the drafts' saving and priced drafts at
-    nothing)."""
+    tokens, all requests together, ``m``: requests with a draft), each
+    slope held towards a prior slope that is never forgotten
+    (:meth:`set_slope_prior`: ``strength`` in weight times squared units):
+    where the steps seen hardly vary in a feature (an engine that drafts
+    little), they set the plane's height and leave that slope at its prior.
 
-    __slots__ = ("s", "prior", "strength")
+    Fitting them at once keeps them apart where they move together: fed
+    from a queue, a step of more requests carries fewer draft tokens each
+    (a fit in tokens per request alone took the extra requests' cost for
+    the drafts' saving and priced drafts at nothing); and the first draft
+    token of a request costs more than the next ones (on an AVX2 EPYC in
+    float32, 4 requests with 1 draft token each cost a third more than 1
+    request with 4).
+    """
+
+    K = 3  # slopes
+    __slots__ = ("w", "mx", "my", "cxx", "cxy", "prior", "strength")
 
     def __init__(self) -> None:
-        # weighted sums of 1, u, v, y, uu, uv, vv, uy, vy
-        self.s = [0.0] * 9
-        self.prior = self.strength = (0.0, 0.0)
+        # weighted sums: w; x (per feature); y; x x^T; x y
+        self.w = self.my = 0.0
+        self.mx = [0.0] * self.K
+        self.cxx = [[0.0] * self.K for _ in range(self.K)]
+        self.cxy = [0.0] * self.K
+        self.prior = [0.0] * self.K
+        self.strength = [0.0] * self.K
 
-    def set_slope_prior(self, p: float, q: float, strength_p: float, strength_q: float) -> None:
-        self.prior, self.strength = (p, q), (strength_p, strength_q)
+    def set_slope_prior(self, slopes, strengths) -> None:
+        self.prior, self.strength = list(slopes), list(strengths)
 
-    def add(self, u: float, v: float, y: float, weight: float = 1.0, keep: float = 1.0) -> None:
-        s = self.s
-        for i, x in enumerate((1.0, u, v, y, u * u, u * v, v * v, u * y, v * y)):
-            s[i] = s[i] * keep + weight * x
+    def add(self, x, y: float, weight: float = 1.0, keep: float = 1.0) -> None:
+        k = self.K
+        self.w = self.w * keep + weight
+        self.my = self.my * keep + weight * y
+        for i in range(k):
+            xi = x[i]
+            self.mx[i] = self.mx[i] * keep + weight * xi
+            self.cxy[i] = self.cxy[i] * keep + weight * xi * y
+            row = self.cxx[i]
+            for j in range(k):
+                row[j] = row[j] * keep + weight * xi * x[j]
 
-    def fit(self) -> tuple[float, float, float]:
-        """``(a, p, q)``; neither slope negative (more rows never cost less)."""
-        w, su, sv, sy, suu, suv, svv, suy, svy = self.s
-        mu, mv, my = su / w, sv / w, sy / w
-        (p0, q0), (kp, kq) = self.prior, self.strength
-        cuu = suu - w * mu * mu + kp
-        cvv = svv - w * mv * mv + kq
-        cuv = suv - w * mu * mv
-        ru = suy - w * mu * my + kp * p0
-        rv = svy - w * mv * my + kq * q0
-        det = cuu * cvv - cuv * cuv
-        if det > 1e-18:
-            p = (ru * cvv - rv * cuv) / det
-            q = (rv * cuu - ru * cuv) / det
-        else:
-            p = q = 0.0
-        if p < 0:  # refit the other slope alone
-            p, q = 0.0, max(rv / cvv, 0.0) if cvv > 1e-12 else 0.0
-        elif q < 0:
-            p, q = max(ru / cuu, 0.0) if cuu > 1e-12 else 0.0, 0.0
-        return my - p * mu - q * mv, p, q
+    def fit(self) -> tuple[float, ...]:
+        """``(a, p, q, r)``; no slope negative (more rows never cost less):
+        a slope that comes out negative is held at 0 and the rest refitted."""
+        k, w = self.K, self.w
+        mx = [v / w for v in self.mx]
+        my = self.my / w
+        free = list(range(k))
+        while True:
+            n = len(free)
+            a = [[self.cxx[i][j] - w * mx[i] * mx[j] + (self.strength[i] if i == j else 0.0)
+                  for j in free] for i in free]
+            b = [self.cxy[i] - w * mx[i] * my + self.strength[i] * self.prior[i] for i in free]
+            sol = _solve(a, b) if n else []
+            slopes = [0.0] * k
+            for i, v in zip(free, sol):
+                slopes[i] = v
+            neg = [i for i in free if slopes[i] < 0]
+            if not neg:
+                break
+            free.remove(min(neg, key=lambda i: slopes[i]))
+        return (my - sum(s * m for s, m in zip(slopes, mx)), *slopes)
+
+
+def _features(batch: int, bucket: int, tokens: float, drafting: int | None) -> tuple:
+    """:class:`_Plane`'s ``(u, v, m)`` of a step (see :meth:`CostModel.predict`)."""
+    batch = max(int(batch), 1)
+    draft = batch * (max(tokens, 1.0) - 1)
+    if drafting is None:
+        drafting = batch if draft > 0 else 0
+    return (batch - bucket, draft, min(drafting, batch))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """``a x = b`` by Gaussian elimination with partial pivoting (a few
+    unknowns); 0 for an unknown the equations leave free."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        m[c], m[p] = m[p], m[c]
+        if abs(m[c][c]) < 1e-18:
+            continue
+        for r in range(n):
+            if r != c and m[r][c]:
+                f = m[r][c] / m[c][c]
+                for j in range(c, n + 1):
+                    m[r][j] -= f * m[c][j]
+    return [m[i][n] / m[i][i] if abs(m[i][i]) >= 1e-18 else 0.0 for i in range(n)]
 
 
 class CostModel:
@@ -250,16 +294,18 @@ class CostModel:
       an engine left out.
     * Steps **without trees** (vLLM's rows only: the newest token and a
       draft, through vLLM's own attention): per batch bucket ``b``, a plane
-      ``a + p * (requests - b) + q * draft_tokens`` (``draft_tokens``: the
-      whole step's, ``requests * (tokens - 1)``) fitted to the step times
-      seen (weighted least squares with forgetting), starting from the
-      curve less its fixed jump from 1 to 2 rows (:meth:`plain`) as a
-      prior. ``q`` matters: it is what a draft token costs, which the
-      tree-path curve does not tell; it moves off the curve's only as far
-      as steps with different drafts show (an engine that drafts little
-      keeps the curve's), and apart from what more requests cost (a queue
-      that keeps a batch full runs steps of 9-15 requests in bucket 8,
-      drafting less per request the more there are).
+      ``a + p * (requests - b) + q * draft_tokens + r * drafting``
+      (``draft_tokens``: the whole step's, ``requests * (tokens - 1)``;
+      ``drafting``: requests with a draft) fitted to the step times seen
+      (weighted least squares with forgetting), starting from the curve
+      less its fixed jump from 1 to 2 rows (:meth:`plain`) as a prior.
+      ``q`` and ``r`` matter: they are what a draft costs, which the
+      tree-path curve does not tell; ``q`` moves off the curve's only as
+      far as steps with different drafts show (an engine that drafts
+      little keeps the curve's), apart from what more requests cost (a
+      queue that keeps a batch full runs steps of 9-15 requests in bucket
+      8, drafting less per request the more there are) and from what a
+      request's first draft token costs beyond the next ones (``r``).
 
     With tensor parallelism every rank must plan alike: :meth:`agreed`
     installs the corrections all ranks use (the proposer broadcasts rank 0's
@@ -269,13 +315,14 @@ class CostModel:
     #: Pseudo-observations the curve's plain plane counts for (forgotten
     #: as steps are seen).
     PRIOR_WEIGHT = 4.0
-    #: How strongly the plain plane's slopes are held to the curve's, never
-    #: forgotten, in weight times squared units: for the draft tokens'
-    #: slope times the bucket's size squared (one step with a draft one
-    #: token per request longer than the others counts as much), for the
-    #: requests' times the bucket's size (a queue moves the batch size
+    #: How strongly the plain plane's slopes are held to their priors,
+    #: never forgotten, in weight times squared units: for the draft
+    #: tokens' slope times the bucket's size squared (one step with a draft
+    #: one token per request longer than the others counts as much), for
+    #: the requests' times the bucket's size (a queue moves the batch size
     #: within a bucket all the time, and a curve measured under load may
-    #: tell little of it).
+    #: tell little of it), for the drafting requests' once (its prior, 0,
+    #: is no measurement: the steps seen decide).
     SLOPE_PRIOR = 1.0
     #: Steps with trees not booked at the start of an engine (one-time costs).
     SKIP_FIRST = 2
@@ -308,18 +355,21 @@ class CostModel:
     #: Answers :meth:`predict` keeps between two agreements.
     MEMO_SIZE = 4096
 
-    def predict(self, batch: int, tokens: float, tree: bool = True) -> float:
+    def predict(self, batch: int, tokens: float, tree: bool = True,
+                drafting: int | None = None) -> float:
         """Seconds of a step of ``batch`` requests with ``tokens`` query
-        tokens each on average, ``tree``: with lookahead trees in it."""
-        key = (batch, tokens, tree)
+        tokens each on average, ``tree``: with lookahead trees in it,
+        ``drafting`` of the requests with more than one query token (None:
+        all of them if ``tokens`` > 1, else none)."""
+        key = (batch, tokens, tree, drafting)
         s = self._memo.get(key)
         if s is None:
             if len(self._memo) >= self.MEMO_SIZE:
                 self._memo.clear()
-            s = self._memo[key] = self._predict(batch, tokens, tree)
+            s = self._memo[key] = self._predict(batch, tokens, tree, drafting)
         return s
 
-    def _predict(self, batch: int, tokens: float, tree: bool) -> float:
+    def _predict(self, batch: int, tokens: float, tree: bool, drafting: int | None) -> float:
         b = bucket_of(batch)
         if tree:
             factor = self.factors.get((b, True))
@@ -332,17 +382,19 @@ class CostModel:
             # A step with trees does all a step without them does, and more:
             # never predicted cheaper (the two corrections learn apart).
             return max(self.curve.predict(batch, tokens) * factor,
-                       self._predict(batch, tokens, False))
+                       self._predict(batch, tokens, False, drafting))
         line = self.factors.get((b, False))
         if line is None:
             return self.plain(batch, tokens)
-        a, p, q = line
-        batch = max(int(batch), 1)
-        return max(a + p * (batch - b) + q * batch * (max(tokens, 1.0) - 1), 1e-6)
+        a, p, q, r = line
+        return max(a + sum(s * x for s, x in zip((p, q, r), _features(batch, b, tokens, drafting))),
+                   1e-6)
 
-    def observe(self, batch: int, tokens: float, seconds: float, tree: bool = True) -> None:
+    def observe(self, batch: int, tokens: float, seconds: float, tree: bool = True,
+                drafting: int | None = None) -> None:
         """A step of ``batch`` requests, ``tokens`` query tokens each on
-        average, ``tree``: with trees, took ``seconds``."""
+        average, ``tree``: with trees, ``drafting``: requests with more than
+        one query token (as :meth:`predict`), took ``seconds``."""
         if not seconds > 0 or not math.isfinite(seconds):
             return
         b = bucket_of(batch)
@@ -351,13 +403,14 @@ class CostModel:
             if line is None:
                 line = self._lines[b] = _Plane()
                 for t in (1, 2, 4, 8):  # the prior: the curve's plain line
-                    line.add(0.0, b * (t - 1), self.plain(b, t), self.PRIOR_WEIGHT / 4)
+                    line.add(_features(b, b, t, None), self.plain(b, t), self.PRIOR_WEIGHT / 4)
+                # what a draft token costs: the curve's; a drafting request
+                # (its first draft token's extra): nothing, until seen
                 line.set_slope_prior(
-                    max(self.plain(2 * b, 1) - self.plain(b, 1), 0.0) / b,
-                    (self.plain(b, 8) - self.plain(b, 1)) / (7 * b),
-                    self.SLOPE_PRIOR * b, self.SLOPE_PRIOR * b * b)
-            batch = max(int(batch), 1)
-            line.add(batch - b, batch * (max(tokens, 1.0) - 1), seconds, 1.0, keep=1 - self.ema)
+                    (max(self.plain(2 * b, 1) - self.plain(b, 1), 0.0) / b,
+                     (self.plain(b, 8) - self.plain(b, 1)) / (7 * b), 0.0),
+                    (self.SLOPE_PRIOR * b, self.SLOPE_PRIOR * b * b, self.SLOPE_PRIOR))
+            line.add(_features(batch, b, tokens, drafting), seconds, 1.0, keep=1 - self.ema)
             return
         n = self._n.get(b, 0)
         self._n[b] = n + 1
@@ -385,7 +438,8 @@ class CostModel:
             if t:
                 corr[f"{b}:tree"] = round(f, 3)
             else:
-                # [a, per request past the bucket's size, per draft token]
+                # [a, per request past the bucket's size, per draft
+                # token, per drafting request]
                 corr[f"{b}:plain_ms"] = [round(x * 1e3, 3) for x in f]
         return {
             "source": self.source,

@@ -174,8 +174,9 @@ class Planner:
     """Chooses every request's :class:`Shape` for a step.
 
     Args:
-        cost: anything with ``predict(batch, tokens_per_request, tree) ->
-            seconds`` (a :class:`~vllm_lookahead.cost_model.CostModel`).
+        cost: anything with ``predict(batch, tokens_per_request, tree,
+            drafting) -> seconds`` (a
+            :class:`~vllm_lookahead.cost_model.CostModel`).
         fused: trees ride in the verification forward (else a second pass).
         sweeps: coordinate-ascent sweeps per step.
     """
@@ -246,7 +247,7 @@ class Planner:
         lam = batch / c0  # the all-off plan's tokens per second
 
         def pays(gain: float, query: int, tree: bool) -> bool:
-            sec = self.cost.predict(batch, (batch - 1 + query) / batch, tree=tree)
+            sec = self.cost.predict(batch, (batch - 1 + query) / batch, tree=tree, drafting=1)
             return gain > lam * (sec - c0) + 1e-12
 
         for k in range(1, best.max_draft + 1):
@@ -263,45 +264,49 @@ class Planner:
             return []
         batch = r_n + max(others, 0)
         options = [self.shapes(v, batch) for v in views]
-        memo: dict[tuple[int, bool], float] = {}
+        memo: dict[tuple[int, bool, int], float] = {}
 
-        def seconds(total_query: int, trees: int) -> float:
-            key = (total_query, trees > 0)
+        def seconds(total_query: int, trees: int, drafting: int) -> float:
+            key = (total_query, trees > 0, drafting)
             s = memo.get(key)
             if s is None:
                 s = memo[key] = self.cost.predict(batch, (total_query + batch - r_n) / batch,
-                                                  tree=trees > 0)
+                                                  tree=trees > 0, drafting=drafting)
             return s
 
-        # Per option: (query tokens, whether a tree, tokens, extra seconds).
-        rows = [[(o.query, o.kind == "tree", o.tokens, o.extra_s) for o in opts]
+        # Per option: (query tokens, whether a tree, tokens, extra seconds,
+        # whether more than one query token).
+        rows = [[(o.query, o.kind == "tree", o.tokens, o.extra_s, o.query > 1) for o in opts]
                 for opts in options]
         pick = [0] * r_n
         q_tot = sum(o[0][0] for o in rows)
         extra = sum(o[0][3] for o in rows)
         tok = sum(o[0][2] for o in rows) + (batch - r_n)  # others: 1 each
         n_tree = sum(o[0][1] for o in rows)
+        n_draft = sum(o[0][4] for o in rows)
         for _ in range(self.sweeps):
-            lam = tok / (seconds(q_tot, n_tree) + extra)
+            lam = tok / (seconds(q_tot, n_tree, n_draft) + extra)
             changed = False
             for r, opts in enumerate(rows):
                 if len(opts) == 1:
                     continue
-                cq, ctree, ctok, cextra = opts[pick[r]]
+                cq, ctree, ctok, cextra, cdraft = opts[pick[r]]
                 q_base = q_tot - cq
                 t_base = n_tree - ctree
+                d_base = n_draft - cdraft
                 best, best_val = pick[r], None
-                for j, (oq, otree, otok, oextra) in enumerate(opts):
-                    sec = seconds(q_base + oq, t_base + otree)
+                for j, (oq, otree, otok, oextra, odraft) in enumerate(opts):
+                    sec = seconds(q_base + oq, t_base + otree, d_base + odraft)
                     val = otok - lam * (sec + oextra)
                     if best_val is None or val > best_val + 1e-12:
                         best, best_val = j, val
                 if best != pick[r]:
-                    nq, ntree, ntok, nextra = opts[best]
+                    nq, ntree, ntok, nextra, ndraft = opts[best]
                     q_tot += nq - cq
                     extra += nextra - cextra
                     tok += ntok - ctok
                     n_tree += ntree - ctree
+                    n_draft += ndraft - cdraft
                     pick[r] = best
                     changed = True
             if not changed:
@@ -341,5 +346,7 @@ class Planner:
         r_n = len(shapes)
         q = sum(s.query for s in shapes)
         trees = any(s.kind == "tree" for s in shapes)
-        sec = self.cost.predict(r_n, q / r_n, tree=trees) + sum(s.extra_s for s in shapes)
+        sec = self.cost.predict(r_n, q / r_n, tree=trees,
+                                drafting=sum(s.query > 1 for s in shapes))
+        sec += sum(s.extra_s for s in shapes)
         return sum(s.tokens for s in shapes) / sec

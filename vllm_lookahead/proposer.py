@@ -265,8 +265,9 @@ class StepTimer:
         #: rank 0's value on every tensor-parallel rank (None: one rank).
         self.agree = agree
         #: The last planned step: (decoding requests, query tokens per
-        #: request, whether it had trees, end of its proposer call), to time it.
-        self.last: tuple[int, float, bool, float] | None = None
+        #: request, whether it had trees, requests with more than one query
+        #: token, end of its proposer call), to time it.
+        self.last: tuple[int, float, bool, int, float] | None = None
         self.calls = 0
 
     def book(self, planner: Planner | None, now: float, clean: bool, num_live: int) -> None:
@@ -278,13 +279,13 @@ class StepTimer:
         cost = planner.cost
         last = self.last
         if last is not None and clean and last[0] == num_live:
-            cost.observe(last[0], last[1], now - last[3], tree=last[2])
+            cost.observe(last[0], last[1], now - last[4], tree=last[2], drafting=last[3])
         self.calls += 1
         if self.calls % self.AGREE_EVERY == 0:
             local = cost.local_factors()
             cost.agreed(self.agree(local) if self.agree is not None else local)
 
-    def planned(self, planned: tuple[int, float, bool] | None, end: float) -> None:
+    def planned(self, planned: tuple[int, float, bool, int] | None, end: float) -> None:
         """The step just planned (:meth:`StepDrafter.run`'s ``planned``;
         None: not planned, not timed) and the end of its proposer call."""
         self.last = (*planned, end) if planned is not None else None

@@ -92,8 +92,9 @@ class StepDrafter:
 
         Returns:
             ``(drafts, planned)``: per row its draft (token ids); the step as
-            planned, ``(requests, query tokens per request, any tree)``, to
-            time it (None: not planned).
+            planned, ``(requests, query tokens per request, any tree,
+            requests with more than one query token)``, to time it (None:
+            not planned).
         """
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         if self.disable_batch_size and num_decoding >= self.disable_batch_size:
@@ -130,8 +131,8 @@ class StepDrafter:
                 self.stats.drafts += 1
                 self.stats.draft_tokens += len(drafts[r.i])
         if len(live) < len(everyone):  # a quiet step: time it as planned
-            n, q, tree = planned if planned is not None else (0, 1.0, False)
-            planned = (len(everyone), 1 + (n * (q - 1)) / len(everyone), tree)
+            n, q, tree, m = planned if planned is not None else (0, 1.0, False, 0)
+            planned = (len(everyone), 1 + (n * (q - 1)) / len(everyone), tree, m)
         return drafts, planned
 
     # -- planning ------------------------------------------------------------
@@ -161,7 +162,8 @@ class StepDrafter:
                 self.planner.horizon = max(runs / st.catch_up_requests, 1.0)
             shapes = self.planner.plan(views, self.cfg.max_tree_tokens, others)
             q = sum(sh.query for sh in shapes) / len(shapes)
-            planned = (len(live), q, any(sh.kind == "tree" for sh in shapes))
+            planned = (len(live), q, any(sh.kind == "tree" for sh in shapes),
+                       sum(sh.query > 1 for sh in shapes))
         trees = []
         for r, shape in zip(live, shapes):
             arm = {"tree": "tree", "draft": "pool", "off": "off"}[shape.kind]
