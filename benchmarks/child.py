@@ -38,7 +38,8 @@ def _metric_values(llm) -> dict[str, float]:
 
 
 def generate_queued(engine, prompts: list, params, running: int,
-                    full: dict | None = None) -> list[list[int]]:
+                    full: dict | None = None, hold=None,
+                    turn_s: float | None = None) -> list[list[int]]:
     """Greedy outputs of ``prompts`` fed through ``engine`` (vLLM's
     ``LLMEngine``) from a queue, ``running`` requests at a time: a request
     joins as soon as another finishes, as on a server under load (``--queue``;
@@ -49,36 +50,90 @@ def generate_queued(engine, prompts: list, params, running: int,
     steps that ran with the batch full (``running`` requests), leaving out
     the drain at the end, when the queue is empty and the batch shrinks: a
     server under steady load never drains, and a finite set drains longest
-    where requests finish at different steps (with speculation)."""
+    where requests finish at different steps (with speculation).
+
+    ``hold() -> context manager``: the engine steps run inside it (the
+    benchmark's turn, timed); with ``turn_s`` it is let go and taken again
+    after every ``turn_s`` seconds of steps, the requests staying in flight
+    meanwhile, so interleaved engines take short turns through one queue.
+    """
     index: dict[str, int] = {}
     outputs: list[list[int] | None] = [None] * len(prompts)
     seen: dict[str, int] = {}
     queue = list(range(len(prompts)))[::-1]
     live = 0
-    while queue or live:
-        while queue and live < running:
-            i = queue.pop()
-            given = f"bench-queue-{next(_QUEUE_IDS)}"
-            index[given] = i
-            index[engine.add_request(given, prompts[i], params)] = i
-            live += 1
-        was_full = live == running
-        t0 = time.perf_counter()
-        step = engine.step()
-        took = time.perf_counter() - t0
-        new = 0
-        for out in step:
-            n = len(out.outputs[0].token_ids)
-            new += n - seen.get(out.request_id, 0)
-            seen[out.request_id] = n
-            if out.finished:
-                outputs[index[out.request_id]] = list(out.outputs[0].token_ids)
-                live -= 1
-        if full is not None and was_full:
-            full["tokens"] = full.get("tokens", 0) + new
-            full["seconds"] = full.get("seconds", 0.0) + took
-            full["steps"] = full.get("steps", 0) + 1
+    with contextlib.ExitStack() as held:
+        turn_start = None
+        while queue or live:
+            if hold is not None and turn_start is None:
+                held.enter_context(hold())
+                turn_start = time.perf_counter()
+            while queue and live < running:
+                i = queue.pop()
+                given = f"bench-queue-{next(_QUEUE_IDS)}"
+                index[given] = i
+                index[engine.add_request(given, prompts[i], params)] = i
+                live += 1
+            was_full = live == running
+            t0 = time.perf_counter()
+            step = engine.step()
+            took = time.perf_counter() - t0
+            new = 0
+            for out in step:
+                n = len(out.outputs[0].token_ids)
+                new += n - seen.get(out.request_id, 0)
+                seen[out.request_id] = n
+                if out.finished:
+                    outputs[index[out.request_id]] = list(out.outputs[0].token_ids)
+                    live -= 1
+            if full is not None and was_full:
+                full["tokens"] = full.get("tokens", 0) + new
+                full["seconds"] = full.get("seconds", 0.0) + took
+                full["steps"] = full.get("steps", 0) + 1
+            if turn_start is not None and turn_s is not None \
+                    and time.perf_counter() - turn_start >= turn_s:
+                held.close()  # the turn passes on; our requests wait in flight
+                turn_start = None
     return outputs  # type: ignore[return-value]
+
+
+class Meter:
+    """Wall, own CPU and machine-wide busy seconds of the timed stretches
+    of one section (the turns' work, not the waits between them)."""
+
+    def __init__(self) -> None:
+        self.elapsed = self.cpu_s = 0.0
+        self.machine_s: float | None = 0.0
+
+    @contextlib.contextmanager
+    def timing(self):
+        c0, m0, t0 = time.process_time(), machine_busy_s(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.elapsed += time.perf_counter() - t0
+            self.cpu_s += time.process_time() - c0
+            m1 = machine_busy_s()
+            self.machine_s = (None if self.machine_s is None or m0 is None or m1 is None
+                              else self.machine_s + m1 - m0)
+
+
+@contextlib.contextmanager
+def _turn(turns: "Turns | None", meter: Meter):
+    """This process's turn (if interleaved), timed by ``meter``."""
+    if turns is not None:
+        turns.acquire()
+    try:
+        with meter.timing():
+            yield
+    finally:
+        if turns is not None:
+            turns.release()
+
+
+#: --queue: seconds of engine steps per turn (the requests stay in flight
+#: between turns).
+QUEUE_TURN_S = 3.0
 
 
 _QUEUE_IDS = itertools.count()
@@ -247,51 +302,42 @@ def child_main(config_path: str, result_path: str) -> int:
                 try:
                     metrics_before, la_before = _metric_values(llm), la_stats()
                     outputs: list[list[int]] = []
-                    elapsed = 0.0
                     bar = tqdm(total=len(token_lists), unit="prompt", leave=False,
                                desc=f"{cfg['label']} {ds} bs={bs}", file=sys.stderr,
                                dynamic_ncols=True, disable=turns is not None)
-                    cpu_s = 0.0
-                    machine_s: float | None = 0.0
+                    meter = Meter()
                     full: dict | None = {} if queued else None
-                    # --queue: a turn feeds the whole set, bs requests at a time
+                    # --queue: the whole set through one queue, in turns of
+                    # QUEUE_TURN_S; else a turn per batch of bs prompts
                     chunk = len(token_lists) if queued else bs
                     for i in range(0, len(token_lists), chunk):
                         batch = [TokensPrompt(prompt_token_ids=p)
                                  for p in token_lists[i:i + chunk]]
-                        if turns is not None:
-                            turns.acquire()
-                        try:
-                            c0, m0 = time.process_time(), machine_busy_s()
-                            t0 = time.perf_counter()
-                            if queued:
-                                outs = generate_queued(llm.llm_engine, batch, params, bs, full)
-                            else:
+                        if queued:
+                            outs = generate_queued(
+                                llm.llm_engine, batch, params, bs, full,
+                                hold=lambda: _turn(turns, meter),
+                                turn_s=QUEUE_TURN_S if turns is not None else None)
+                        else:
+                            with _turn(turns, meter):
                                 outs = [list(o.outputs[0].token_ids)
                                         for o in llm.generate(batch, params, use_tqdm=False)]
-                            elapsed += time.perf_counter() - t0
-                            cpu_s += time.process_time() - c0
-                            m1 = machine_busy_s()
-                            machine_s = (None if machine_s is None or m0 is None or m1 is None
-                                         else machine_s + m1 - m0)
-                        finally:
-                            if turns is not None:
-                                turns.release()
                         if turns is not None:
                             with open(cfg["turn"]["dir"] + f"/progress.{turns.index}", "a") as f:
                                 f.write(f"{len(batch)}\n")
                         outputs.extend(outs)
                         bar.update(len(batch))
-                        if elapsed > 0:
+                        if meter.elapsed > 0:
                             bar.set_postfix_str(
-                                f"{sum(map(len, outputs)) / elapsed:.1f} tok/s", refresh=False)
+                                f"{sum(map(len, outputs)) / meter.elapsed:.1f} tok/s",
+                                refresh=False)
                     bar.close()
                     section.update(
                         output_tokens=sum(map(len, outputs)),
-                        elapsed_s=elapsed,
+                        elapsed_s=meter.elapsed,
                         full_batch=full,
-                        cpu_s=cpu_s,
-                        machine_cpu_s=machine_s,
+                        cpu_s=meter.cpu_s,
+                        machine_cpu_s=meter.machine_s,
                         outputs=outputs,
                         metrics_before=metrics_before,
                         metrics_after=_metric_values(llm),
@@ -301,7 +347,8 @@ def child_main(config_path: str, result_path: str) -> int:
                     fig = section_figures(section)
                     tqdm.write(
                         f"   {ds} bs={bs}: {fig['output_tokens']} tokens in "
-                        f"{elapsed:.1f} s, {_fmt('tokens_per_s', fig['tokens_per_s'])} tok/s, "
+                        f"{meter.elapsed:.1f} s, "
+                        f"{_fmt('tokens_per_s', fig['tokens_per_s'])} tok/s, "
                         f"S {_fmt('step_compression', fig['step_compression'])}",
                         file=sys.stderr)
                 except Exception:

@@ -3,6 +3,7 @@ is started)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -409,6 +410,26 @@ def test_queue_keeps_the_batch_full_and_returns_outputs_in_order() -> None:
     out = child.generate_queued(FakeEngine({"a": 2, "b": 1, "c": 4}), list("abc"), None, 2, full)
     assert sum(map(len, out)) == 7
     assert full["steps"] == 2 and full["tokens"] == 4 and full["seconds"] > 0
+    # interleaved: the steps run inside the turn (hold), let go after
+    # every turn_s seconds of steps, the requests staying in flight
+    holds, depth = [], [0]
+
+    @contextlib.contextmanager
+    def hold():
+        assert depth[0] == 0  # never nested
+        depth[0] += 1
+        holds.append(eng.steps)
+        yield
+        depth[0] -= 1
+
+    eng = FakeEngine(lengths)
+    out = child.generate_queued(eng, list("abcde"), None, 2, hold=hold, turn_s=0.0)
+    assert out == [["a"] * 5, ["b"], ["c"], ["d"], ["e"] * 2] and depth[0] == 0
+    assert holds == [0, 1, 2, 3, 4]  # a turn per step
+    holds.clear()
+    eng = FakeEngine(lengths)
+    child.generate_queued(eng, list("abcde"), None, 2, hold=hold, turn_s=None)
+    assert holds == [0] and depth[0] == 0  # one turn for the whole queue
     args = bench.build_parser().parse_args(["--queue"])
     import engines
 
