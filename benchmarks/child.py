@@ -54,8 +54,9 @@ def generate_queued(engine, prompts: list, params, running: int,
 
     ``hold() -> context manager``: the engine steps run inside it (the
     benchmark's turn, timed); with ``turn_s`` it is let go and taken again
-    after every ``turn_s`` seconds of steps, the requests staying in flight
-    meanwhile, so interleaved engines take short turns through one queue.
+    at the first request to join after ``turn_s`` seconds of steps, the
+    others staying in flight meanwhile, so interleaved engines take short
+    turns through their queues.
     """
     index: dict[str, int] = {}
     outputs: list[list[int] | None] = [None] * len(prompts)
@@ -65,6 +66,13 @@ def generate_queued(engine, prompts: list, params, running: int,
     with contextlib.ExitStack() as held:
         turn_start = None
         while queue or live:
+            if (turn_start is not None and turn_s is not None and queue and live < running
+                    and time.perf_counter() - turn_start >= turn_s):
+                # The turn passes on where a request joins: the wait falls
+                # in a step with a prefill, which lookahead's own step
+                # timer (its cost model) leaves out.
+                held.close()
+                turn_start = None
             if hold is not None and turn_start is None:
                 held.enter_context(hold())
                 turn_start = time.perf_counter()
@@ -90,10 +98,6 @@ def generate_queued(engine, prompts: list, params, running: int,
                 full["tokens"] = full.get("tokens", 0) + new
                 full["seconds"] = full.get("seconds", 0.0) + took
                 full["steps"] = full.get("steps", 0) + 1
-            if turn_start is not None and turn_s is not None \
-                    and time.perf_counter() - turn_start >= turn_s:
-                held.close()  # the turn passes on; our requests wait in flight
-                turn_start = None
     return outputs  # type: ignore[return-value]
 
 

@@ -411,7 +411,8 @@ def test_queue_keeps_the_batch_full_and_returns_outputs_in_order() -> None:
     assert sum(map(len, out)) == 7
     assert full["steps"] == 2 and full["tokens"] == 4 and full["seconds"] > 0
     # interleaved: the steps run inside the turn (hold), let go after
-    # every turn_s seconds of steps, the requests staying in flight
+    # turn_s seconds of steps where a request joins (its step has a prefill,
+    # which lookahead's step timer leaves out), the others in flight
     holds, depth = [], [0]
 
     @contextlib.contextmanager
@@ -425,7 +426,7 @@ def test_queue_keeps_the_batch_full_and_returns_outputs_in_order() -> None:
     eng = FakeEngine(lengths)
     out = child.generate_queued(eng, list("abcde"), None, 2, hold=hold, turn_s=0.0)
     assert out == [["a"] * 5, ["b"], ["c"], ["d"], ["e"] * 2] and depth[0] == 0
-    assert holds == [0, 1, 2, 3, 4]  # a turn per step
+    assert holds == [0, 1, 2, 3]  # c, d, e join after steps 1, 2, 3
     holds.clear()
     eng = FakeEngine(lengths)
     child.generate_queued(eng, list("abcde"), None, 2, hold=hold, turn_s=None)

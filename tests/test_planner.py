@@ -403,6 +403,26 @@ def test_the_first_draft_token_of_a_request_is_priced_apart():
     assert first_draft(cheap) == "draft" and first_draft(dear) == "off"
 
 
+def test_a_step_that_waited_does_not_drag_the_plain_plane():
+    """A process paused between two steps (a benchmark's turns, a stall)
+    books one step of seconds: least squares would follow it (fitted that
+    way, a plane came out at -558 ms + 149 ms per drafting request)."""
+    m = CostModel(curve_from(avx2_bf16))
+    rng = random.Random(2)
+    for i in range(300):
+        lens = [rng.choice((0, 0, 1, 3)) for _ in range(4)]
+        d, n = sum(lens), sum(k > 0 for k in lens)
+        sec = 0.060 + 0.003 * d + 0.001 * n
+        if i % 25 == 24:
+            sec = 6.0  # waited for the other engines' turns
+        m.observe(4, 1 + d / 4, sec, tree=False, drafting=n)
+        if i % 32 == 31:
+            m.agreed(m.local_factors())
+    m.agreed(m.local_factors())
+    assert m.predict(4, 1, tree=False) == pytest.approx(0.060, rel=0.1)
+    assert m.predict(4, 2, tree=False, drafting=1) == pytest.approx(0.073, rel=0.1)
+
+
 def test_a_step_with_trees_never_costs_less_than_without():
     """The tree factor and the plain line learn from different steps; where
     they disagree (steps without trees slower than the curve, tree steps

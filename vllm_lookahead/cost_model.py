@@ -410,7 +410,15 @@ class CostModel:
                     (max(self.plain(2 * b, 1) - self.plain(b, 1), 0.0) / b,
                      (self.plain(b, 8) - self.plain(b, 1)) / (7 * b), 0.0),
                     (self.SLOPE_PRIOR * b, self.SLOPE_PRIOR * b * b, self.SLOPE_PRIOR))
-            line.add(_features(batch, b, tokens, drafting), seconds, 1.0, keep=1 - self.ema)
+            # One step moves the fit by at most a factor 2 of evidence over
+            # the plane's own prediction: a step that waited (a pause of the
+            # process between two steps) must not drag it (least squares
+            # follows outliers); a real change gets there in a few steps.
+            x = _features(batch, b, tokens, drafting)
+            a, *slopes = line.fit()
+            pred = max(a + sum(s * v for s, v in zip(slopes, x)), 1e-6)
+            seconds = min(max(seconds, pred / 2), 2 * pred)
+            line.add(x, seconds, 1.0, keep=1 - self.ema)
             return
         n = self._n.get(b, 0)
         self._n[b] = n + 1
