@@ -335,7 +335,7 @@ class CostModel:
         self._n: dict[int, int] = {}
         self._lines: dict[int, _Plane] = {}  # steps without trees: bucket -> fit
         #: agreed corrections, used by predict: (bucket, True) -> factor,
-        #: (bucket, False) -> (a, p, q) of the plain plane.
+        #: (bucket, False) -> (a, p, q, r) of the plain plane.
         self.factors: dict[tuple[int, bool], object] = {}
         #: predict's answers since the last :meth:`agreed` (they depend on
         #: the curve and the agreed corrections only; the planner asks the
