@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from vllm_lookahead.fit import Plane, plane_features
+from vllm_lookahead.fit import Plane, plane_features, plane_seconds
 # Re-exported for callers that take them from here (demo.py, benchmarks/).
 from vllm_lookahead.machine import hardware_id, machine_busy_s  # noqa: F401
 
@@ -292,9 +292,7 @@ class CostModel:
         line = self.factors.get((b, False))
         if line is None:
             return self.plain(batch, tokens)
-        a, p, q, r = line
-        x = plane_features(batch, b, tokens, drafting)
-        return max(a + p * x[0] + q * x[1] + r * x[2], 1e-6)
+        return plane_seconds(line, plane_features(batch, b, tokens, drafting))
 
     def observe(self, batch: int, tokens: float, seconds: float, tree: bool = True,
                 drafting: int | None = None) -> None:
@@ -322,8 +320,7 @@ class CostModel:
             # process between two steps) must not drag it (least squares
             # follows outliers); a real change gets there in a few steps.
             x = plane_features(batch, b, tokens, drafting)
-            a, *slopes = line.fit()
-            pred = max(a + sum(s * v for s, v in zip(slopes, x)), 1e-6)
+            pred = plane_seconds(line.fit(), x)
             seconds = min(max(seconds, pred / 2), 2 * pred)
             line.add(x, seconds, 1.0, keep=1 - self.ema)
             return

@@ -87,6 +87,13 @@ def plane_features(batch: int, bucket: int, tokens: float, drafting: int | None)
     return (batch - bucket, draft, min(drafting, batch))
 
 
+def plane_seconds(coeffs, x) -> float:
+    """A fitted plane's seconds (``coeffs``: :meth:`Plane.fit`'s ``(a, p,
+    q, r)``) at features ``x`` (:func:`plane_features`), at least 1 us."""
+    a, *slopes = coeffs
+    return max(a + sum(s * v for s, v in zip(slopes, x)), 1e-6)
+
+
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     """``a x = b`` by Gaussian elimination with partial pivoting (a few
     unknowns); 0 for an unknown the equations leave free."""
