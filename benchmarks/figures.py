@@ -126,6 +126,11 @@ def section_figures(raw: dict[str, Any]) -> dict[str, Any]:
         gen = _delta(la_a, la_b, "generated_tokens")
         steps = _delta(la_a, la_b, "decode_steps")
         la_step_compression = _ratio(gen, steps) if steps else None
+        # the acceptance model's calibration where it decides: draft
+        # tokens accepted over those the planner expected, its own drafts
+        expected = _delta(la_a, la_b, "planned_gain")
+        seen = _delta(la_a, la_b, "planned_gain_seen")
+        fig["planned_gain_ratio"] = _ratio(seen, expected) if expected else None
         fig["lookahead_deltas"] = {
             k: _delta(la_a, la_b, k)
             for k in sorted(set(la_a) & set(la_b))

@@ -282,6 +282,19 @@ def test_account_learns_checked_acceptance_only_for_checked_drafts():
     assert s.acc.checked.misses > before[1] * 0.9
 
 
+def test_account_compares_planned_gain_with_what_was_accepted():
+    st = LookaheadStats()
+    s = _state()
+    s.draft_sources, s.draft_expect = [SOURCE_PROMPT] * 3, 1.5
+    account(s, st, [1, 2], num_tokens=8)  # 1 of 3 draft tokens accepted
+    assert st.planned_gain == 1.5 and st.planned_gain_seen == 1
+    assert s.draft_expect is None
+    # a draft not planned so (checked chain, seeded) is left out
+    s.draft_sources = [SOURCE_PROMPT] * 2
+    account(s, st, [1, 2, 3], num_tokens=11)
+    assert st.planned_gain == 1.5 and st.planned_gain_seen == 1
+
+
 # -- one step ------------------------------------------------------------------
 
 
@@ -438,3 +451,41 @@ def test_planner_counts_requests_left_out_as_off():
     together = planner.plan([v] + [view(room=0) for _ in range(15)])
     assert alone == together[:1]
     assert alone != planner.plan([v])  # the batch's size changes the answer
+
+
+def test_planned_unchecked_draft_carries_its_expected_gain():
+    """The planner's unchecked draft records what the planner expected the
+    verifier to accept of it (``shape.tokens - 1``); a step left off does
+    not."""
+    from vllm_lookahead.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner import Planner
+
+    cfg = LookaheadConfig(ngram_size=3, window_size=2, guess_set_size=2, mode="fused")
+    stats = LookaheadStats()
+    # trees confirm nothing: a draft or nothing
+    prior = AcceptancePrior(max_cands=2, p_unchecked=0.9, tree_cands=[0.0, 0.0],
+                            tree_window=0.0)
+    step = StepDrafter(cfg, True, 1000, stats, prior)
+    text = [4, 5, 6, 9, 4, 5]
+    tokens = np.zeros((1, 64), dtype=np.int32)
+    tokens[0, : len(text)] = text
+    s = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2), tokens[0],
+                  len(text), len(text), None, False, 0, prior)
+    live = [Live(0, s, len(text), 3, [])]
+
+    def no_trees(rows):  # pragma: no cover - must not run
+        raise AssertionError(rows)
+
+    # extra tokens nearly free: the lookup (after the suffix [4, 5]) is drafted
+    step.planner = Planner(CostModel(CostCurve.flat(0.05, 0.001)))
+    drafts, _ = step.run(live, 1, 1, 3, True, tokens, no_trees)
+    assert drafts == [[6, 9, 4]]
+    expected = s.draft_expect
+    assert expected is not None and 0.9 < expected < 2.0
+    account(s, stats, [6, 9, 7], num_tokens=len(text) + 3)  # 2 of 3 accepted
+    assert stats.planned_gain == expected and stats.planned_gain_seen == 2
+    # every extra token costs 2 steps: off, nothing expected
+    step = StepDrafter(cfg, True, 1000, stats, prior)
+    step.planner = Planner(CostModel(CostCurve.flat(0.05, 2.0)))
+    drafts, _ = step.run(live, 1, 1, 3, True, tokens, no_trees)
+    assert drafts == [[]] and s.draft_expect is None

@@ -95,9 +95,13 @@ def account(state: RequestState, stats, sampled: list[int], num_tokens: int) -> 
         st.accepted_by_source[src] += 1
     if state.draft_checked and state.draft_sources:
         state.acc.observe_checked(len(state.draft_sources), accepted)
+    if state.draft_expect is not None and state.draft_sources:
+        st.planned_gain += state.draft_expect
+        st.planned_gain_seen += accepted
     if state.lookup:
         state.acc.observe_unchecked(state.lookup, sampled, state.lookup_kind)
     state.draft_sources, state.lookup, state.draft_checked = [], [], False
+    state.draft_expect = None
 
 
 def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,

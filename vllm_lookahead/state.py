@@ -166,6 +166,10 @@ class RequestState:
     plan: object = None
     #: Whether the last draft was checked by a tree (else unchecked).
     draft_checked: bool = False
+    #: The draft tokens the planner expected the verifier to accept of the
+    #: last step's unchecked draft (None: not planned so), to compare with
+    #: what it accepted (``LookaheadStats.planned_gain``).
+    draft_expect: float | None = None
     #: The unchecked draft looked up for the last step (whatever ran), to
     #: learn its acceptance from the text that came.
     lookup: list = field(default_factory=list)

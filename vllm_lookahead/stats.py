@@ -55,6 +55,11 @@ class LookaheadStats:
         steps_quiet: steps where no request's draft could pay at that batch
             size (:meth:`~vllm_lookahead.planner.Planner.any_pays`), so the
             per-request work (lookups, pool updates, planning) was skipped.
+        planned_gain, planned_gain_seen: over the unchecked drafts the
+            planner chose, the draft tokens it expected the verifier to
+            accept (from the request's acceptance estimate) and those it
+            accepted: how well the acceptance model is calibrated where it
+            decides.
         fused_trees: request trees that rode in vLLM's forward (fused).
         pass_requests: request trees run in an extra forward (separate mode,
             or a fused-mode catch-up pass).
@@ -86,6 +91,8 @@ class LookaheadStats:
     steps_window_off: int = 0
     steps_off: int = 0
     steps_quiet: int = 0
+    planned_gain: float = 0.0
+    planned_gain_seen: int = 0
     fused_trees: int = 0
     pass_requests: int = 0
     catch_up_requests: int = 0

@@ -185,6 +185,8 @@ class StepDrafter:
             else:
                 drafts[r.i] = unchecked_draft(state, shape.draft if not fixed else r.room,
                                               self.stats)
+                if not fixed and not state.seeded:
+                    state.draft_expect = shape.tokens - 1
         return trees, planned
 
     # -- trees ---------------------------------------------------------------
