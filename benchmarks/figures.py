@@ -130,7 +130,7 @@ def section_figures(raw: dict[str, Any]) -> dict[str, Any]:
         # tokens accepted over those the planner expected, its own drafts
         expected = _delta(la_a, la_b, "planned_gain")
         seen = _delta(la_a, la_b, "planned_gain_seen")
-        fig["planned_gain_ratio"] = _ratio(seen, expected) if expected else None
+        fig["planned_gain_ratio"] = _ratio(seen, expected)
         fig["lookahead_deltas"] = {
             k: _delta(la_a, la_b, k)
             for k in sorted(set(la_a) & set(la_b))
