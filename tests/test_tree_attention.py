@@ -1,7 +1,9 @@
-"""Tree attention over vLLM's paged CPU KV cache (vllm_lookahead.tree_attention).
+"""Tree attention over vLLM's paged KV cache (vllm_lookahead.kv_layout,
+vllm_lookahead.tree_attention).
 
-(a) ``probe_block_layout`` + ``gather_kv`` read back exactly what vLLM's own
-    CPU cache writer stored (and what deliberately odd fake writers stored).
+(a) ``probe_page_layout`` + ``gather_sequence`` read back exactly what vLLM's
+    own CPU cache writer stored (and what deliberately odd fake writers
+    stored). The GPU backends' layouts are in tests/test_kv_layouts.py.
 (b) ``tree_attention`` over a paged cache equals a dense reference that
     explicitly recomputes, for every tree node, the causal sequence
     prefix + (the node's ancestor chain, root first, ending at the node).
@@ -16,12 +18,9 @@ import pytest
 import torch
 
 from vllm_lookahead.attn_mask import build_tree
-from vllm_lookahead.tree_attention import (
-    gather_kv,
-    probe_block_layout,
-    split_cache,
-    tree_attention,
-)
+from vllm_lookahead.kv_layout import UnsupportedLayout, probe_page_layout
+from vllm_lookahead.kv_layout import gather_sequence as _gather_sequence
+from vllm_lookahead.tree_attention import tree_attention
 
 ops = pytest.importorskip("vllm._custom_ops")
 
@@ -34,6 +33,22 @@ def _single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+def split_cache(cache):
+    """K and V views of a contiguous ``[nb, kvh, bs, 2*hd]`` cache as vLLM's
+    CPU backend makes them (each ``[nb, kvh, bs, hd]``)."""
+    nb, kvh, bs, _ = cache.shape
+    return cache.view(nb, kvh, 2 * bs, -1).chunk(2, dim=2)
+
+
+def probe_block_layout(bs, kvh, hd, dtype, write_fn):
+    """The layout of a ``[*, kvh, bs, 2*hd]`` contiguous cache of ``dtype``."""
+    return probe_page_layout(torch.empty(1, kvh, bs, 2 * hd, dtype=dtype), hd, write_fn)
+
+
+def gather_kv(cache, block_ids, length, layout):
+    return _gather_sequence(cache, torch.as_tensor(block_ids), length, layout)
 
 
 def _vllm_writer(isa: str):
@@ -84,7 +99,11 @@ def test_gather_roundtrip_vllm_cpu_writer(dtype, isa):
     bs, kvh, hd, nb = 128, 2, 64, 10
     write_fn = _vllm_writer(isa)
     layout = probe_block_layout(bs, kvh, hd, dtype, write_fn)
-    assert layout.k_perm.shape == (bs * hd,) and layout.v_perm.shape == (bs * hd,)
+    assert layout.k_off.shape == (bs * hd,) and layout.v_off.shape == (bs * hd,)
+    if isa == "vec":
+        # K's half transposed ([hd, bs]), then V's: read with strided views
+        assert layout.name == "strided"
+        assert layout.k_affine == (0, 1, bs) and layout.v_affine == (bs * hd, hd, 1)
     g = torch.Generator().manual_seed(0)
     # garbage everywhere first, so a wrong block or offset cannot read zeros
     cache = torch.randn(nb, kvh, bs, 2 * hd, generator=g).to(dtype)
@@ -175,12 +194,13 @@ def test_probe_is_general_weird_layout(dtype):
     bs, kvh, hd, nb = 16, 2, 8, 5
     layout = probe_block_layout(bs, kvh, hd, dtype, _fake_weird_writer)
     ident = torch.arange(bs * hd)
-    assert not torch.equal(layout.k_perm, ident)
-    assert not torch.equal(layout.v_perm, ident)
-    # K[t, d] at d * bs + t; V[t, d] at the mirrored offset
+    assert not torch.equal(layout.k_off, ident)
+    assert layout.name == "indexed" and layout.v_affine is None
+    # K[t, d] at d * bs + t (affine, transposed); V[t, d] at the mirrored offset
     t, d = 3, 5
-    assert layout.k_perm[t * hd + d] == d * bs + t
-    assert layout.v_perm[t * hd + d] == bs * hd - 1 - (t * hd + d)
+    assert layout.k_off[t * hd + d] == d * bs + t
+    assert layout.k_affine == (0, 1, bs)
+    assert layout.v_off[t * hd + d] == 2 * bs * hd - 1 - (t * hd + d)
     g = torch.Generator().manual_seed(1)
     cache = torch.randn(nb, kvh, bs, 2 * hd, generator=g).to(dtype)
     length, blocks = 40, [4, 0, 2]
@@ -209,7 +229,7 @@ def _fake_plain_writer(k, v, cache, slots):
     "writer", [_fake_head_mixing_writer, _fake_per_head_layout_writer, _fake_lossy_writer]
 )
 def test_probe_rejects_unsupported_layouts(writer):
-    with pytest.raises(RuntimeError):
+    with pytest.raises(UnsupportedLayout):
         probe_block_layout(8, 2, 4, torch.float32, writer)
 
 
@@ -395,58 +415,79 @@ def test_tree_attention_keeps_query_dtype():
 
 
 # --------------------------------------------------------------------------
-# (c) the worker's batched path (all requests in one padded SDPA call)
-#     equals the per-request path
+# (c) the worker's batched path (all requests in one padded attention call,
+#     whole blocks gathered) equals the per-request reference
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sizes", ["mixed", "uniform"])
-@pytest.mark.parametrize("window", [-1, 40])
-def test_batched_tree_attention_equals_per_request(window, sizes):
-    from types import SimpleNamespace
+def tree_meta(reqs, offset, cache_writer, cache, bs, device="cpu"):
+    """Write each request's prefix into ``cache`` and build the step's
+    TreeAttnMetadata. ``reqs``: (length, block ids, (N, W, G))."""
+    from vllm_lookahead.worker import TreeAttnMetadata
 
-    from vllm_lookahead.worker import TreeAttentionImpl, TreeAttnMetadata
-
-    torch.manual_seed(0)
-    kvh, h, hd, bs = 2, 6, 64, 16
-    cache = torch.zeros(12, kvh, bs, 2 * hd)
-    layout = probe_block_layout(bs, kvh, hd, torch.float32, _vllm_writer("vec"))
-    reqs = [(37, [3, 0, 9], (4, 3, 2)), (5, [7], (3, 2, 0)), (60, [1, 4, 8, 11], (2, 4, 3))]
-    if sizes == "uniform":  # same tree everywhere: the unpadded path
-        reqs = [(length, blk, (4, 3, 2)) for length, blk, _ in reqs]
-    offset = 5  # fused: tree rows follow vLLM's own rows
-    starts, ends, lens, masks, pos, blocks = [], [], [], [], [], []
+    kvh, hd = cache.shape[1], None
+    starts, ends, lens, masks, pos, blocks, prefixes = [], [], [], [], [], [], []
     row = offset
     for length, blk, (n, w, g) in reqs:
+        hd = hd or cache_writer.head_size
         k = torch.randn(length, kvh, hd)
         v = torch.randn(length, kvh, hd)
-        _vllm_writer("vec")(k, v, cache, _slots(blk, length, bs))
+        cache_writer(k.to(cache.dtype), v.to(cache.dtype), cache, _slots(blk, length, bs))
+        prefixes.append((k, v))
         tree = build_tree(n, w, g)
         starts.append(row)
         row += tree.num_nodes
         ends.append(row)
         lens.append(length)
-        masks.append(torch.from_numpy(tree.mask.copy()))
-        pos.append(torch.from_numpy(length + tree.depth.astype(np.int64)))
-        blocks.append(torch.tensor(blk))
-    total = row
+        masks.append(tree.mask.copy())
+        pos.append(length + tree.depth.astype(np.int64))
+        blocks.append(np.asarray(blk + [0], dtype=np.int64))  # tables are padded
+    meta = TreeAttnMetadata(
+        starts=starts, ends=ends, context_lens=lens, masks=masks,
+        positions=np.concatenate(pos), blocks=[(bs, blocks)], device=torch.device(device),
+        offset=offset)
+    return meta, row, prefixes
+
+
+class _CpuWriter:
+    head_size = 64
+
+    def __call__(self, k, v, cache, slots):
+        _vllm_writer("vec")(k, v, cache, slots)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("sizes", ["mixed", "uniform"])
+@pytest.mark.parametrize("window", [-1, 40])
+def test_batched_tree_attention_equals_reference(window, sizes, softcap):
+    from types import SimpleNamespace
+
+    from vllm_lookahead.worker import TreeAttentionImpl
+
+    torch.manual_seed(0)
+    kvh, h, hd, bs = 2, 6, 64, 16
+    cache = torch.randn(12, kvh, bs, 2 * hd)  # garbage outside what is written
+    writer = _CpuWriter()
+    layout = probe_block_layout(bs, kvh, hd, torch.float32, writer)
+    reqs = [(37, [3, 0, 9], (4, 3, 2)), (5, [7], (3, 2, 0)), (60, [1, 4, 8, 11], (2, 4, 3))]
+    if sizes == "uniform":  # same tree everywhere: the unpadded path
+        reqs = [(length, blk, (4, 3, 2)) for length, blk, _ in reqs]
+    offset = 5  # fused: tree rows follow vLLM's own rows
+    meta, total, prefixes = tree_meta(reqs, offset, writer, cache, bs)
+    assert meta.uniform == (sizes == "uniform")
     query = torch.randn(total, h, hd)
     key = torch.randn(total, kvh, hd)
     value = torch.randn(total, kvh, hd)
-
-    def meta():
-        return TreeAttnMetadata(
-            starts=starts, ends=ends, context_lens=lens, masks=masks,
-            positions=torch.cat(pos), gather={}, block_ids=[blocks], offset=offset,
-        )
-
-    inner = SimpleNamespace(scale=0.3, logits_soft_cap=0, sliding_window=window)
+    inner = SimpleNamespace(scale=0.3, logits_soft_cap=softcap, sliding_window=window)
     impl = TreeAttentionImpl(inner, "layer", 0, layout, owner=None)
-    assert meta().uniform == (sizes == "uniform")
-    batched = torch.full((total, h, hd), 7.0)
-    impl._tree(meta(), query, key, value, cache, batched)
-    single = torch.full((total, h, hd), 7.0)
-    impl._tree_per_request(meta(), query, key, value, cache, single)
-    torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
+    out = torch.full((total, h, hd), 7.0)
+    impl._tree(meta, query, key, value, cache, out)
+    for r, (s, e) in enumerate(zip(meta.starts, meta.ends)):
+        ck, cv = prefixes[r]
+        ref = tree_attention(query[s:e], key[s:e], value[s:e], ck.transpose(0, 1),
+                             cv.transpose(0, 1), torch.from_numpy(meta.masks[r]),
+                             torch.from_numpy(meta.positions[s - offset:e - offset]), 0.3,
+                             sliding_window=window, softcap=softcap)
+        torch.testing.assert_close(out[s:e], ref, rtol=1e-5, atol=1e-5)
     # vLLM's own rows are left alone
-    assert torch.all(batched[:offset] == 7.0)
+    assert torch.all(out[:offset] == 7.0)

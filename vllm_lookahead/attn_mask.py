@@ -57,6 +57,17 @@ class TreeLayout:
         """Nodes whose argmax forms the next Jacobi level: int32 [W]."""
         return self.level_index[-1]
 
+    @functools.cached_property
+    def read_nodes(self) -> np.ndarray:
+        """The nodes whose argmax a step reads (int64, sorted): the root,
+        the newest Jacobi level and every candidate token. The window's
+        older levels only feed their descendants' attention: their logits
+        are never computed."""
+        nodes = np.concatenate([[0], self.newest_level.ravel(), self.cand_index.ravel()])
+        out = np.unique(nodes.astype(np.int64))
+        out.setflags(write=False)
+        return out
+
 
 @functools.lru_cache(maxsize=256)
 def build_tree(ngram_size: int, window_size: int, num_candidates: int) -> TreeLayout:

@@ -75,6 +75,13 @@ every other method untouched:
     offset"), with or without speculation. Instead, the state of such a
     generator is saved before sampling and put back where vLLM rewinds, so
     the request samples as if its prompt had come in one step.
+12. ``compute_logits`` of the engine's model *instance* (installed by
+    :func:`install_logits_hook` when the lookahead worker is built, not at
+    plugin load: the method belongs to each model class): in a fused step
+    the hidden states of the tree nodes whose argmax the step reads ride
+    in vLLM's own logits call (appended after its rows; vLLM gets its rows
+    back), so the output layer's weights are read once per step. Any other
+    call passes straight through.
 """
 
 from __future__ import annotations
@@ -425,3 +432,30 @@ def _fix_cpu_seeded_rewind() -> None:
 
     GPUModelRunner._sample = _sample
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+
+
+def install_logits_hook(model, owner) -> None:
+    """Patch 12 (see the module doc): ``model.compute_logits`` computes
+    ``owner.take_extra_rows()`` (hidden states ``[k, hidden]`` or None)
+    together with vLLM's rows and hands their logits to
+    ``owner.put_extra_logits(logits[k rows] or None)``. Idempotent."""
+    orig = model.compute_logits
+    if getattr(orig, "_lookahead_hook", False):
+        return
+
+    def compute_logits(hidden_states, *args, **kwargs):
+        extra = owner.take_extra_rows()
+        if extra is None:
+            return orig(hidden_states, *args, **kwargs)
+        n = hidden_states.shape[0]
+        import torch
+
+        logits = orig(torch.cat([hidden_states, extra.to(hidden_states.dtype)]), *args, **kwargs)
+        if logits is None:  # a rank that does not gather the logits
+            owner.put_extra_logits(None)
+            return None
+        owner.put_extra_logits(logits[n:])
+        return logits[:n]
+
+    compute_logits._lookahead_hook = True
+    model.compute_logits = compute_logits

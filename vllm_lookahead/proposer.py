@@ -71,11 +71,14 @@ class LookaheadProposer:
         self.step = StepDrafter(self.cfg, fused, self.max_model_len, self.stats, self.prior)
         self.disable_batch_size = self.step.disable_batch_size
         self.worker = None  # LookaheadWorker, bound at warm-up or on the first step
+        #: Why the lookahead branch cannot run here (None: it can).
+        self.trees_unsupported: str | None = None
         #: req id -> tokens scheduled this step (set by on_update_states).
         self._scheduled: dict[str, int] = {}
         self._spec_k: int | None = None
-        #: fused: req id -> (PlannedTree, argmax of its appended nodes).
-        self._fused_out: dict[str, tuple[PlannedTree, np.ndarray]] = {}
+        #: fused: req id -> (PlannedTree, the step's FusedPreds, its index
+        #: there): the argmax of its appended nodes, once vLLM's logits ran.
+        self._fused_out: dict[str, tuple] = {}
         tp = vllm_config.parallel_config.tensor_parallel_size
         #: rank 0's value on every tensor-parallel rank (None: one rank).
         self._agree = _rank0_choice if tp > 1 else None
@@ -109,14 +112,26 @@ class LookaheadProposer:
         """After vLLM's warm-up (the KV cache exists): wrap the attention
         layers and set up the planner's cost model (measured, cached, from
         a file or assumed: ``cost_model``)."""
-        if self.worker is None:
-            from vllm_lookahead.worker import LookaheadWorker
+        if self.worker is None and self.step.trees:
+            from vllm_lookahead.worker import LookaheadWorker, TreesUnsupported
 
-            self.worker = LookaheadWorker(runner)
+            try:
+                self.worker = LookaheadWorker(runner)
+            except TreesUnsupported as e:
+                # Never a crash at start: the n-gram drafts still pay.
+                logger.warning(
+                    "Lookahead: the lookahead branch cannot run on this engine: %s. "
+                    "Drafting from prompt lookup only (no Jacobi window, no trees)%s.",
+                    e, ", planned per step" if self.cfg.adaptive else "")
+                self.step.trees = False
+                self.trees_unsupported = str(e)
         if self.cfg.adaptive and self.planner is None:
             from vllm_lookahead.warmup import build_cost_model
 
-            cost = build_cost_model(self.cfg.cost_model, runner, self.worker, self._agree)
+            # Without trees nothing can time the tree path: an assumed curve,
+            # corrected from the engine's own steps.
+            setting = self.cfg.cost_model if self.worker is not None else "off"
+            cost = build_cost_model(setting, runner, self.worker, self._agree)
             self.step.planner = Planner(cost, fused=self.fused)
 
     def on_update_states(self, scheduler_output) -> None:
@@ -166,13 +181,13 @@ class LookaheadProposer:
         self.stats.lookahead_query_tokens += sum(len(t.tokens) for t in trees)
         self.stats.fused_trees += len(trees)
         self.stats.fused_steps += 1
-        self._fused_out = {req_id: (plan, pred) for (req_id, plan), pred in zip(plans, preds)}
+        self._fused_out = {req_id: (plan, preds, r) for r, (req_id, plan) in enumerate(plans)}
         return hidden
 
     def propose_for_runner(self, runner, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Drafts for every request of the runner's batch (batch order)."""
         t0 = time.perf_counter()
-        if self.worker is None or (self.cfg.adaptive and self.planner is None):
+        if (self.worker is None and self.step.trees) or (self.cfg.adaptive and self.planner is None):
             self.warm_up(runner)
         batch = runner.input_batch
         num_tokens = batch.num_tokens_no_spec
@@ -206,7 +221,8 @@ class LookaheadProposer:
             if self.fused:
                 out = fused_out.get(req_id)
                 if out is not None:
-                    chain = harvest(state, out[0], out[1], sampled)
+                    plan, preds, r = out
+                    chain = harvest(state, plan, preds.get()[r], sampled)
             room = min(spec_k, self.max_model_len - n_tok - 1)
             live.append(Live(i, state, n_tok, room, chain))
         self._timer.book(self.planner, t0, clean, len(live))
@@ -225,6 +241,8 @@ class LookaheadProposer:
         d = self.stats.to_dict()
         d["config"] = self.cfg.to_dict()
         d["mode"] = "fused" if self.fused else "separate"
+        d["trees_unsupported"] = self.trees_unsupported
+        d["kv_page_layouts"] = getattr(self.worker, "layouts", None)
         d["disable_batch_size"] = self.disable_batch_size
         d["cost_model"] = self.planner.cost.snapshot() if self.planner is not None else None
         d["acceptance_prior"] = self.prior.snapshot()
@@ -303,6 +321,7 @@ def _tree_requests(rows: list[tuple[int, PlannedTree]]) -> list:
             mask=tree.layout.mask,
             context_len=tree.root_pos,
             batch_index=i,
+            read=tree.layout.read_nodes,
         )
         for i, tree in rows
     ]

@@ -74,6 +74,9 @@ class StepDrafter:
         self.disable_batch_size = cfg.disable_batch_size or 0
         #: Planner (``adaptive``), set at warm-up; None: the full tree every step.
         self.planner = None
+        #: Whether trees may run (False where the engine's attention backend
+        #: cannot serve the lookahead branch: prompt-lookup drafts only).
+        self.trees = True
         self.quiet = QuietBatches(stats, prior)
 
     def run(self, live: list[Live], num_rows: int, num_decoding: int, spec_k: int,
@@ -102,7 +105,7 @@ class StepDrafter:
             for r in live:
                 r.state.draft_sources, r.state.lookup = [], []
             live = []
-        everyone, live = live, self.quiet.keep(live, spec_k, joined, self.planner)
+        everyone, live = live, self.quiet.keep(live, spec_k, joined, self.planner, self.trees)
         if self.cfg.prompt_pool:
             for r in live:
                 r.state.add_context_ngrams(token_ids[r.i], r.state.settings.ngram_size, r.n_tok)
@@ -149,12 +152,14 @@ class StepDrafter:
         for r in live:
             r.state.lookup = lookup(r.state, token_ids[r.i], r.n_tok, r.room, self.cfg.prompt_pool)
             if not fixed:
-                views.append(_request_view(r, token_ids, self.cfg.prompt_pool))
+                views.append(_request_view(r, token_ids, self.cfg.prompt_pool, self.trees))
         planned = None
-        if fixed:
+        if fixed and self.trees:
             shapes = [Shape("tree", window=r.state.settings.window_size,
                             cands=r.state.settings.guess_set_size) if r.room > 0 else OFF
                       for r in live]
+        elif fixed:  # no trees here: the lookup's draft every step
+            shapes = [Shape("draft", draft=r.room) if r.room > 0 else OFF for r in live]
         else:
             st = self.stats
             if st.catch_up_requests:
@@ -287,7 +292,8 @@ class QuietBatches:
         self._since_full = 0
         self._pays: tuple[int, bool] | None = None
 
-    def keep(self, live: list[Live], spec_k: int, joined: bool, planner) -> list[Live]:
+    def keep(self, live: list[Live], spec_k: int, joined: bool, planner,
+             trees: bool = True) -> list[Live]:
         """The requests of ``live`` that need this step's work (all of them
         without a ``planner``)."""
         if planner is None or not live:
@@ -299,7 +305,7 @@ class QuietBatches:
                        for r in live)):
             self._since_full = 0
             free = [r for r in live if not r.state.seeded]
-            self._best = BestCase.of([_bound_view(r, spec_k) for r in free], self.prior) \
+            self._best = BestCase.of([_bound_view(r, spec_k, trees) for r in free], self.prior) \
                 if free else None
             for r in free:
                 r.state.acc.bounded = r.state.acc.seen >= mature
@@ -323,10 +329,12 @@ class QuietBatches:
         return keep
 
 
-def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool) -> RequestView:
-    """A request as the planner sees it this step (its lookup done)."""
+def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
+                  trees_here: bool = True) -> RequestView:
+    """A request as the planner sees it this step (its lookup done);
+    ``trees_here``: whether the engine can run trees at all."""
     state, s = r.state, r.state.settings
-    trees = not state.seeded
+    trees = trees_here and not state.seeded
     g = 0
     if trees:
         # candidates the tree could check: the pool's for its root
@@ -347,10 +355,10 @@ def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool) -> RequestV
         fixed=seeded_shape)
 
 
-def _bound_view(r: Live, spec_k: int) -> RequestView:
+def _bound_view(r: Live, spec_k: int, trees_here: bool = True) -> RequestView:
     """A request as :meth:`BestCase.of` sees it: its settings' upper bounds
     (not this step's pool or room), so the bound holds for later steps."""
     s = r.state.settings
     return RequestView(acc=r.state.acc, ngram_size=s.ngram_size, window_size=s.window_size,
                        guess_set_size=s.guess_set_size, room=spec_k,
-                       trees=not r.state.seeded)
+                       trees=trees_here and not r.state.seeded)

@@ -18,7 +18,7 @@ Outside those, the wrapper hands every call to the original impl untouched.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,14 +26,8 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 
-from vllm_lookahead.tree_attention import (
-    BlockLayout,
-    gather_index,
-    probe_block_layout,
-    take_kv,
-    tree_attention,
-    tree_attention_mask,
-)
+from vllm_lookahead.kv_layout import PageLayout, UnsupportedLayout, gather_pages, probe_page_layout
+from vllm_lookahead.tree_attention import batched_tree_attention
 
 logger = init_logger("vllm." + __name__)  # under "vllm": vLLM configures that logger
 
@@ -47,6 +41,8 @@ class TreeRequest:
         mask: bool [T, T] tree mask (node sees ancestors and itself).
         context_len: cached prefix length L (the tree root sits at position L).
         batch_index: the request's row in the runner's input batch (block table).
+        read: int [k] the nodes whose argmax is read (None: all); the
+            others get -1 and no logits.
     """
 
     tokens: np.ndarray
@@ -54,120 +50,106 @@ class TreeRequest:
     mask: np.ndarray
     context_len: int
     batch_index: int
+    read: np.ndarray | None = None
 
 
 @dataclass
 class TreeAttnMetadata:
-    """Attention metadata of a lookahead pass (one object for all layers)."""
+    """Attention metadata of a lookahead pass, one object for all layers.
+
+    The tree rows of request ``r`` are rows ``starts[r]:ends[r]`` of the
+    forward's batch (fused: after vLLM's own rows, from ``offset``). Every
+    layer attends all requests in one padded call: ``R`` requests, ``T``
+    (``t_max``) query slots each, keys = the request's cached blocks
+    (``nb`` of them, ``P = nb * block_size`` slots, padded with its first
+    block) then its ``T`` tree slots. What the layers share is built once
+    per step, on ``device`` (the KV cache's), on first use.
+    """
 
     starts: list[int]
     ends: list[int]
     context_lens: list[int]
-    masks: list[torch.Tensor]
-    positions: torch.Tensor  # int64 [total]
-    #: (kv group, layout) -> per request (idx_k, idx_v) from gather_index,
-    #: built on first use and shared by every layer of that group and layout.
-    gather: dict
-    block_ids: list[list[torch.Tensor]]  # [kv group][request] -> int block ids
-    #: Row of the first tree token in the forward's batch (fused: after
-    #: vLLM's own tokens); ``positions`` starts there.
+    masks: list[np.ndarray]  # bool [T_r, T_r] per request
+    positions: np.ndarray  # int64 [total tree rows]
+    #: per kv-cache group: (block size, per request int block ids [>= nb_r])
+    blocks: list[tuple[int, list[np.ndarray]]]
+    device: torch.device
     offset: int = 0
-    #: (request, sliding window) -> tree_attention_mask, shared by layers.
-    allowed: dict = None
-    #: (group, layout, window) -> padded batch layout (see ``padded``).
-    pads: dict = None
-    #: (group, layout, window, dtype) -> additive float mask (0 / -inf).
-    fmasks: dict = None
+    _memo: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def sizes(self) -> list[int]:
+        return [e - s for s, e in zip(self.starts, self.ends)]
+
+    @functools.cached_property
+    def t_max(self) -> int:
+        return max(self.sizes)
 
     @functools.cached_property
     def uniform(self) -> bool:
-        """Every request's tree has the same size: the tree rows (contiguous
-        from ``offset``) view as ``[R, T, ...]`` with no padding. Computed
-        once per step, read by every layer."""
-        sizes = {e - s for s, e in zip(self.starts, self.ends)}
-        return len(sizes) == 1
+        """Every request's tree has the same size: the tree rows view as
+        ``[R, T, ...]`` with no padding."""
+        return len(set(self.sizes)) == 1
 
-    def float_mask(self, group: int, layout: BlockLayout, num_kv_heads: int, window: int,
-                   dtype: torch.dtype) -> torch.Tensor:
-        """``padded``'s mask as an additive float mask in ``dtype``, built
-        once per step (SDPA would convert a bool mask in every layer)."""
-        if self.fmasks is None:
-            self.fmasks = {}
-        key = (group, id(layout), window, dtype)
-        fm = self.fmasks.get(key)
-        if fm is None:
-            mask = self.padded(group, layout, num_kv_heads, window)[4]
-            fm = self.fmasks[key] = torch.zeros(mask.shape, dtype=dtype).masked_fill_(
-                ~mask, float("-inf"))
-        return fm
+    def pages(self, group: int) -> tuple[torch.Tensor, int]:
+        """int64 ``[R, nb]`` block ids on the device and ``P``, the prefix
+        slots they hold (``nb * block_size``)."""
+        key = ("pages", group)
+        hit = self._memo.get(key)
+        if hit is None:
+            bs, per_req = self.blocks[group]
+            nb = max(max(-(-n // bs) for n in self.context_lens), 1)
+            ids = np.empty((len(per_req), nb), dtype=np.int64)
+            for r, (b, n) in enumerate(zip(per_req, self.context_lens)):
+                k = max(-(-n // bs), 1)
+                ids[r, :k] = b[:k]
+                ids[r, k:] = b[0]  # padding: a valid block, masked off
+            hit = self._memo[key] = (torch.from_numpy(ids).to(self.device), nb * bs)
+        return hit
 
-    def attention_mask(self, r: int, window: int) -> torch.Tensor:
-        if self.allowed is None:
-            self.allowed = {}
-        m = self.allowed.get((r, window))
-        if m is None:
-            s, e = self.starts[r] - self.offset, self.ends[r] - self.offset
-            m = self.allowed[(r, window)] = tree_attention_mask(
-                self.masks[r], self.context_lens[r], self.positions[s:e], window
-            )
-        return m
+    def rows_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Non-uniform trees: the tree rows of the forward's batch and their
+        places in the padded ``[R * T]`` query layout (device tensors)."""
+        hit = self._memo.get("rows")
+        if hit is None:
+            rows = np.concatenate([np.arange(s, e) for s, e in zip(self.starts, self.ends)])
+            slots = np.concatenate([np.arange(t) + r * self.t_max for r, t in enumerate(self.sizes)])
+            hit = self._memo["rows"] = (torch.from_numpy(rows).to(self.device),
+                                        torch.from_numpy(slots).to(self.device))
+        return hit
 
-    def padded(self, group: int, layout: BlockLayout, num_kv_heads: int, window: int):
-        """Everything one batched SDPA over all requests needs, built once per
-        step and shared by the layers of a (group, layout, window):
-
-        * ``idx``: int64 flat cache indices of every request's K and V,
-          padded to the longest context: viewed ``[2, R, KVH, L_max, D]``;
-        * ``rows`` / ``slots``: the tree rows of the forward's batch and
-          their places in the padded ``[R * T_max]`` query layout;
-        * ``mask``: bool ``[R, 1, T_max, L_max + T_max]``: cached prefix
-          (or its sliding window) then the tree; padded keys and queries
-          are masked off (a padded query sees only itself).
-        """
-        if self.pads is None:
-            self.pads = {}
-        key = (group, id(layout), window)
-        pad = self.pads.get(key)
-        if pad is not None:
-            return pad
-        r_n = len(self.starts)
-        sizes = [e - s for s, e in zip(self.starts, self.ends)]
-        t_max, l_max = max(sizes), max(max(self.context_lens), 1)
-        per_req = self.gather_indices(group, layout, num_kv_heads)
-        d = per_req[0][0].shape[-1]
-        idx = torch.zeros((2, r_n, num_kv_heads, l_max, d), dtype=torch.long)
-        mask = torch.zeros((r_n, 1, t_max, l_max + t_max), dtype=torch.bool)
-        mask[:, 0, torch.arange(t_max), l_max + torch.arange(t_max)] = True
-        rows, slots = [], []
-        for r, ((ik, iv), n, t) in enumerate(zip(per_req, self.context_lens, sizes)):
-            idx[0, r, :, :n] = ik
-            idx[1, r, :, :n] = iv
-            allowed = self.attention_mask(r, window)  # [t, n + t]
-            mask[r, 0, :t, :n] = allowed[:, :n]
-            mask[r, 0, :t, l_max : l_max + t] = allowed[:, n:]
-            rows.append(torch.arange(self.starts[r], self.ends[r]))
-            slots.append(torch.arange(t) + r * t_max)
-        pad = self.pads[key] = (
-            idx.view(-1), (r_n, l_max, t_max), torch.cat(rows), torch.cat(slots), mask
-        )
-        return pad
-
-    def gather_indices(self, group: int, layout: BlockLayout, num_kv_heads: int) -> list:
-        key = (group, id(layout))
-        idx = self.gather.get(key)
-        if idx is None:
-            idx = self.gather[key] = [
-                gather_index(b, n, num_kv_heads, layout)
-                for b, n in zip(self.block_ids[group], self.context_lens)
-            ]
-        return idx
+    def float_mask(self, group: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive ``[R, 1, T, P + T]`` mask in ``dtype`` on the device:
+        the request's cached prefix (or its last ``window`` positions), then
+        its tree; padded keys are masked off, a padded query sees only its
+        own (zero) slot."""
+        key = ("mask", group, window, dtype)
+        hit = self._memo.get(key)
+        if hit is None:
+            _, p = self.pages(group)
+            t_max = self.t_max
+            allowed = np.zeros((len(self.starts), 1, t_max, p + t_max), dtype=bool)
+            allowed[:, 0, np.arange(t_max), p + np.arange(t_max)] = True
+            for r, (n, t, m) in enumerate(zip(self.context_lens, self.sizes, self.masks)):
+                s = self.starts[r] - self.offset
+                a = allowed[r, 0, :t]
+                a[:, :n] = True
+                a[:, p : p + t] = m
+                if window is not None and window > 0:
+                    pos = self.positions[s : s + t]
+                    key_pos = np.concatenate([np.arange(p), pos, np.full(t_max - t, -1)])
+                    a &= key_pos[None, :] > pos[:, None] - window
+            mask = torch.zeros(allowed.shape, dtype=dtype)
+            mask.masked_fill_(torch.from_numpy(~allowed), float("-inf"))
+            hit = self._memo[key] = mask.to(self.device)
+        return hit
 
 
 class TreeAttentionImpl:
     """Wraps an attention impl: our tree attention during lookahead passes,
     the original backend otherwise. Other attributes pass through."""
 
-    def __init__(self, inner, layer_name: str, group: int, layout: BlockLayout, owner) -> None:
+    def __init__(self, inner, layer_name: str, group: int, layout: PageLayout, owner) -> None:
         self._inner = inner
         self._layer_name = layer_name
         self._group = group
@@ -175,6 +157,8 @@ class TreeAttentionImpl:
         self._owner = owner  # the LookaheadWorker (holds the fused metadata)
         self._softcap = float(getattr(inner, "logits_soft_cap", 0) or 0)
         window = getattr(inner, "sliding_window", -1)
+        if isinstance(window, (tuple, list)):  # some backends keep (left, right)
+            window = window[0] + 1 if window[0] >= 0 else -1
         self._window = -1 if window is None else int(window)
 
     def __getattr__(self, name):
@@ -197,65 +181,45 @@ class TreeAttentionImpl:
             self._tree(fused, query, key, value, kv_cache, output)
         return out
 
-    def _tree(self, m: "TreeAttnMetadata", query, key, value, kv_cache, output):
-        if self._softcap:
-            return self._tree_per_request(m, query, key, value, kv_cache, output)
-        # All requests in one SDPA call, padded to the longest context; the
-        # index, the mask and the row layout are built once per step.
-        kvh = kv_cache.shape[1]
-        idx, (r_n, l_max, t_max), rows, slots, _ = m.padded(
-            self._group, self._layout, kvh, self._window
-        )
-        h, d = query.shape[1], query.shape[2]
-        ctx = kv_cache.view(-1).index_select(0, idx).view(2, r_n, kvh, l_max, d)
+    def _tree(self, m: TreeAttnMetadata, query, key, value, kv_cache, output):
+        """All requests' tree rows in one attention call: the cached blocks
+        gathered whole (one copy per layer), the tree rows after them."""
+        lay = self._layout
+        ids, p = m.pages(self._group)
+        r_n, t_max = len(m.starts), m.t_max
+        kvh, d = lay.num_kv_heads, lay.head_size
+        h = query.shape[1]
+        dt = kv_cache.dtype
+        kb = torch.empty((r_n, kvh, p + t_max, d), dtype=dt, device=kv_cache.device)
+        vb = torch.empty_like(kb)
+        gather_pages(kv_cache, ids, lay, kb[:, :, :p], vb[:, :, :p])
         if m.uniform:  # no padding: views of the tree rows
             s, e = m.offset, m.offset + r_n * t_max
             q, k, v = query[s:e], key[s:e], value[s:e]
         else:
+            rows, slots = m.rows_slots()
             q = query.new_zeros((r_n * t_max, h, d))
             k = key.new_zeros((r_n * t_max, kvh, d))
             v = value.new_zeros((r_n * t_max, kvh, d))
             q[slots] = query[rows]
             k[slots] = key[rows]
             v[slots] = value[rows]
-        dt = ctx.dtype
-        k = torch.cat([ctx[0], k.view(r_n, t_max, kvh, d).transpose(1, 2).to(dt)], dim=2)
-        v = torch.cat([ctx[1], v.view(r_n, t_max, kvh, d).transpose(1, 2).to(dt)], dim=2)
+        kb[:, :, p:].copy_(k.view(r_n, t_max, kvh, d).transpose(1, 2))
+        vb[:, :, p:].copy_(v.view(r_n, t_max, kvh, d).transpose(1, 2))
         q = q.view(r_n, t_max, h, d).transpose(1, 2).to(dt)
-        mask = m.float_mask(self._group, self._layout, kvh, self._window, dt)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self._inner.scale, enable_gqa=h != kvh
-        ).transpose(1, 2)  # [R, T_max, H, D]
+        mask = m.float_mask(self._group, self._window, dt)
+        out = batched_tree_attention(q, kb, vb, mask, self._inner.scale, self._softcap)
+        out = out.transpose(1, 2)  # [R, T, H, D]
         if m.uniform:
             output[s:e].view(r_n, t_max, h, d).copy_(out)
         else:
             output[rows] = out.reshape(r_n * t_max, h, d)[slots].to(output.dtype)
         return output
 
-    def _tree_per_request(self, m: "TreeAttnMetadata", query, key, value, kv_cache, output):
-        inner = self._inner
-        softcap, window = self._softcap, self._window
-        indices = m.gather_indices(self._group, self._layout, kv_cache.shape[1])
-        for r in range(len(m.starts)):
-            s, e = m.starts[r], m.ends[r]
-            ck, cv = take_kv(kv_cache, indices[r])
-            output[s:e] = tree_attention(
-                query[s:e],
-                key[s:e],
-                value[s:e],
-                ck,
-                cv,
-                m.masks[r],
-                m.positions[s - m.offset : e - m.offset],
-                inner.scale,
-                sliding_window=window,
-                softcap=softcap,
-                allowed=m.attention_mask(r, window),
-            ).to(output.dtype)
-        return output
 
-
-def _check_supported(name: str, layer, impl) -> None:
+def unsupported_reason(impl) -> str | None:
+    """Why the lookahead branch cannot run on this attention impl (None: it
+    can)."""
     problems = []
     if getattr(impl, "alibi_slopes", None) is not None:
         problems.append("ALiBi")
@@ -268,130 +232,230 @@ def _check_supported(name: str, layer, impl) -> None:
         problems.append(f"kv_cache_dtype={kv_dtype!r}")
     if getattr(impl, "attn_type", "decoder") not in ("decoder", "DECODER"):
         problems.append(f"attention type {impl.attn_type!r}")
-    if problems:
-        raise NotImplementedError(
-            f"lookahead decoding does not support {', '.join(problems)} "
-            f"(attention layer {name})"
-        )
+    if not callable(getattr(impl, "do_kv_cache_update", None)):
+        problems.append("no do_kv_cache_update (the cache writer the layout probe uses)")
+    return ", ".join(problems) or None
+
+
+class TreesUnsupported(RuntimeError):
+    """The lookahead branch cannot run on this engine's attention backend;
+    the message names the backend, the layer and why."""
 
 
 class LookaheadWorker:
     """Owns the lookahead pass of one model runner.
 
-    Created once, on the first step, when the KV cache exists: it wraps the
-    attention impls and learns the cache layout.
+    Created once, at warm-up, when the KV cache exists: it learns every
+    layer's cache layout with the backend's own writer and wraps the
+    attention impls. Raises :class:`TreesUnsupported` (nothing wrapped)
+    where a layer's backend or cache cannot serve the branch.
     """
 
     def __init__(self, runner) -> None:
         self.runner = runner
         #: TreeAttnMetadata of the tree rows during a fused forward, else None.
         self.fused_meta: TreeAttnMetadata | None = None
+        #: Fused step: hidden states of the read tree rows, waiting for
+        #: vLLM's logits call (patch 12), then the argmax of their logits.
+        self._extra_rows: torch.Tensor | None = None
+        self._extra_pred: np.ndarray | None = None
         self.vllm_config = runner.vllm_config
+        self.device = torch.device(getattr(runner, "device", "cpu"))
         layers = self.vllm_config.compilation_config.static_forward_context
         group_of = {}
         for g, group in enumerate(runner.kv_cache_config.kv_cache_groups):
             for name in group.layer_names:
                 group_of[name] = g
         self.num_groups = len(runner.kv_cache_config.kv_cache_groups)
-        layouts: dict[tuple, BlockLayout] = {}
-        self.layer_names = []
+        tables = runner.input_batch.block_table
+        layouts: dict[tuple, PageLayout] = {}
+        wrap = []
         for name, layer in layers.items():
             impl = getattr(layer, "impl", None)
             if impl is None or name not in group_of:
                 continue
             if isinstance(impl, TreeAttentionImpl):
                 impl._owner = self
-                self.layer_names.append(name)
+                wrap.append((name, layer, None))
                 continue
-            _check_supported(name, layer, impl)
+            backend = type(impl).__name__
+            why = unsupported_reason(impl)
             kv = layer.kv_cache
             if isinstance(kv, (list, tuple)):
                 kv = kv[0]
-            if not kv.is_contiguous():
-                raise NotImplementedError(f"lookahead: non-contiguous KV cache in layer {name}")
-            _, kvh, bs, two_hd = kv.shape
-            isa = getattr(layer, "isa", None)
-            key = (kv.dtype, kvh, bs, two_hd // 2, isa)
-            if key not in layouts:
-                layouts[key] = probe_block_layout(
-                    bs, kvh, two_hd // 2, kv.dtype,
-                    # the backend's own cache writer, on a scratch block
-                    lambda k, v, cache, slots, layer=layer, impl=impl: (
-                        impl.do_kv_cache_update(layer, k, v, cache, slots)
-                    ),
-                )
-            layer.impl = TreeAttentionImpl(impl, name, group_of[name], layouts[key], self)
-            self.layer_names.append(name)
-        if not self.layer_names:
-            raise RuntimeError("lookahead: found no attention layers to wrap")
+            if why is None and (not isinstance(kv, torch.Tensor) or kv.dim() != 4):
+                why = "a KV cache that is not one [blocks, heads, block_size, C] view"
+            head = getattr(impl, "head_size", None)
+            if why is None and head is None:
+                why = "no head_size"
+            if why is None and kv.shape[2] != tables[group_of[name]].block_size:
+                why = (f"cache block size {kv.shape[2]} != block table's "
+                       f"{tables[group_of[name]].block_size}")
+            if why is None:
+                key = (kv.dtype, tuple(kv.shape[1:]), kv.stride()[1:], head,
+                       getattr(layer, "isa", None), backend)
+                if key not in layouts:
+                    try:
+                        layouts[key] = probe_page_layout(
+                            kv, head,
+                            # the backend's own cache writer, on a scratch page
+                            lambda k, v, cache, slots, layer=layer, impl=impl: (
+                                impl.do_kv_cache_update(layer, k, v, cache, slots)
+                            ),
+                        )
+                    except (UnsupportedLayout, NotImplementedError, RuntimeError,
+                            TypeError, AssertionError) as e:
+                        why = f"its KV cache layout ({e})"
+            if why is not None:
+                raise TreesUnsupported(
+                    f"attention backend {backend} (layer {name}): {why}")
+            wrap.append((name, layer, TreeAttentionImpl(impl, name, group_of[name],
+                                                        layouts[key], self)))
+        if not wrap:
+            raise TreesUnsupported("found no attention layers to wrap")
+        # Wrap only once every layer is known to be served.
+        for _, layer, impl in wrap:
+            if impl is not None:
+                layer.impl = impl
+        from vllm_lookahead.patches import install_logits_hook
+
+        install_logits_hook(runner.model, self)
+        self.layer_names = [name for name, _, _ in wrap]
+        self.layouts = sorted({lay.name for lay in layouts.values()})
         logger.info(
-            "Lookahead: tree attention over the paged KV cache on %d layers",
-            len(self.layer_names),
+            "Lookahead: tree attention over the paged KV cache on %d layers "
+            "(backend %s, page layout %s, device %s)", len(self.layer_names),
+            ", ".join(sorted({type(layer.impl._inner).__name__ for _, layer, _ in wrap})),
+            ", ".join(self.layouts) or "as before", self.device,
         )
 
-    def block_ids(self, batch_index: int, context_len: int) -> list[torch.Tensor]:
-        out = []
-        bt = self.runner.input_batch.block_table
-        for g in range(self.num_groups):
-            table = bt[g]
-            nb = -(-max(context_len, 1) // table.block_size)
-            out.append(table.block_table.cpu[batch_index, :nb])
-        return out
-
     def _metadata(self, requests: list[TreeRequest], offset: int = 0):
-        """Inputs and attention metadata of the trees, rows from ``offset``."""
+        """Inputs (on the device) and attention metadata of the trees, rows
+        from ``offset``."""
         sizes = [len(r.tokens) for r in requests]
         ends = (np.cumsum(sizes) + offset).tolist()
         starts = [e - s for e, s in zip(ends, sizes)]
-        input_ids = torch.from_numpy(np.concatenate([r.tokens for r in requests]).astype(np.int32))
-        positions = torch.from_numpy(np.concatenate([r.positions for r in requests]).astype(np.int64))
-        per_req_blocks = [self.block_ids(r.batch_index, r.context_len) for r in requests]
+        ids_np = np.concatenate([r.tokens for r in requests]).astype(np.int32)
+        pos_np = np.concatenate([r.positions for r in requests]).astype(np.int64)
+        bt = self.runner.input_batch.block_table
+        blocks = []
+        for g in range(self.num_groups):
+            table = bt[g]
+            cpu = table.block_table.cpu
+            blocks.append((table.block_size, [
+                np.asarray(cpu[r.batch_index, : max(-(-r.context_len // table.block_size), 1)])
+                for r in requests]))
         meta = TreeAttnMetadata(
             starts=starts,
             ends=ends,
             context_lens=[r.context_len for r in requests],
-            masks=[torch.from_numpy(np.array(r.mask, dtype=bool)) for r in requests],
-            positions=positions,
-            gather={},
-            block_ids=[[b[g] for b in per_req_blocks] for g in range(self.num_groups)],
+            masks=[np.asarray(r.mask, dtype=bool) for r in requests],
+            positions=pos_np,
+            blocks=blocks,
+            device=self.device,
             offset=offset,
         )
+        input_ids = torch.from_numpy(ids_np).to(self.device)
+        positions = torch.from_numpy(pos_np).to(self.device)
         return input_ids, positions, meta
 
     @torch.inference_mode()
     def run(self, requests: list[TreeRequest]) -> list[np.ndarray]:
         """Separate mode: one tree-masked forward over all requests' trees.
 
-        Returns, per request, int64 [T] the target's argmax at every node.
+        Returns, per request, int64 [T] the target's argmax at every node
+        it reads (-1 at the others: no logits computed for them).
         """
         input_ids, positions, meta = self._metadata(requests)
         model = self.runner.model
         total = int(input_ids.shape[0])
         with set_forward_context(meta, self.vllm_config, num_tokens=total, slot_mapping={}):
             hidden = model(input_ids=input_ids, positions=positions)
-        pred = _argmax(model.compute_logits(hidden))
-        return [pred[s:e] for s, e in zip(meta.starts, meta.ends)]
+        rows, spans = _read_rows(requests, meta.starts)
+        pred = _argmax(model.compute_logits(hidden.index_select(0, rows.to(hidden.device))))
+        return _spread(pred, spans)
 
     def fused_forward(self, forward, requests: list[TreeRequest], input_ids, positions, **kwargs):
         """Fused mode: vLLM's model forward of the step with the trees'
         tokens appended (``forward`` is the runner's own model call).
 
         Returns ``(hidden, preds)``: vLLM's hidden states (its rows only, as
-        if nothing was appended) and, per request, int64 [T] the target's
-        argmax at every tree node.
+        if nothing was appended) and a :class:`FusedPreds`, which gives per
+        request int64 [T] the target's argmax at every node it reads (-1
+        at the others) once vLLM's logits call has computed them.
         """
         n = int(input_ids.shape[0])
         ids, pos, meta = self._metadata(requests, offset=n)
         ids = torch.cat([input_ids, ids.to(input_ids.device, input_ids.dtype)])
         pos = torch.cat([positions, pos.to(positions.device, positions.dtype)])
         self.fused_meta = meta
+        self._extra_rows = self._extra_pred = None
         try:
             hidden = forward(input_ids=ids, positions=pos, **kwargs)
         finally:
             self.fused_meta = None
-        with torch.inference_mode():
-            pred = _argmax(self.runner.model.compute_logits(hidden[n:]))
-        return hidden[:n], [pred[s - n : e - n] for s, e in zip(meta.starts, meta.ends)]
+        rows, spans = _read_rows(requests, meta.starts)
+        self._extra_rows = hidden.index_select(0, rows.to(hidden.device))
+        return hidden[:n], FusedPreds(self, spans)
+
+    # -- patch 12: the read tree rows ride in vLLM's logits call ----------
+    def take_extra_rows(self) -> torch.Tensor | None:
+        rows, self._extra_rows = self._extra_rows, None
+        return rows
+
+    def put_extra_logits(self, logits: torch.Tensor | None) -> None:
+        self._extra_pred = _argmax(logits) if logits is not None else None
+
+    def extra_pred(self) -> np.ndarray:
+        """The argmax of the read tree rows of the last fused step: from
+        vLLM's logits call, or computed here if that never came (or this
+        rank got no logits)."""
+        pred, self._extra_pred = self._extra_pred, None
+        rows = self.take_extra_rows()
+        if pred is None and rows is not None:
+            with torch.inference_mode():
+                pred = _argmax(self.runner.model.compute_logits(rows))
+        if pred is None:
+            raise RuntimeError("lookahead: the tree rows' logits were lost")
+        return pred
+
+
+class FusedPreds:
+    """Per-request argmax of a fused step's tree rows, read after vLLM's
+    logits call (:meth:`get`, once)."""
+
+    def __init__(self, worker: LookaheadWorker, spans) -> None:
+        self._worker = worker
+        self._spans = spans
+        self._preds: list[np.ndarray] | None = None
+
+    def get(self) -> list[np.ndarray]:
+        if self._preds is None:
+            self._preds = _spread(self._worker.extra_pred(), self._spans)
+        return self._preds
+
+
+def _read_rows(requests: list[TreeRequest], starts: list[int]):
+    """The batch rows whose logits are read (int64 tensor, in request
+    order) and per request ``(begin, end, nodes, T)`` into them."""
+    rows, spans, k = [], [], 0
+    for r, s in zip(requests, starts):
+        t = len(r.tokens)
+        nodes = np.arange(t) if r.read is None else np.asarray(r.read, dtype=np.int64)
+        rows.append(s + nodes)
+        spans.append((k, k + len(nodes), nodes, t))
+        k += len(nodes)
+    return torch.from_numpy(np.concatenate(rows).astype(np.int64)), spans
+
+
+def _spread(pred: np.ndarray, spans) -> list[np.ndarray]:
+    """Per request int64 [T]: the read nodes' argmax, -1 elsewhere."""
+    out = []
+    for a, b, nodes, t in spans:
+        full = np.full(t, -1, dtype=np.int64)
+        full[nodes] = pred[a:b]
+        out.append(full)
+    return out
 
 
 def _argmax(logits: torch.Tensor) -> np.ndarray:
