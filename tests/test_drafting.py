@@ -337,24 +337,52 @@ def test_separate_step_runs_one_pass_and_drafts_the_checked_chain():
     assert stats.drafts == 1 and stats.draft_tokens == 3 and stats.arm_steps["tree"] == 1
 
 
-def test_fused_step_catches_up_then_plans_the_next_tree_after_the_draft():
+def test_fused_step_catches_up_in_the_step_itself():
+    """A request without a checked chain gets no extra forward: its draft
+    is the unchecked lookup and a catch-up tree rooted at its newest token
+    rides in the step; what vLLM samples along the tree's chain is cut off
+    the chain, the rest is the next step's chain."""
     step, stats = _step("fused")
     text = [4, 5, 6, 9, 4, 5]
     s, tokens = _live_request(text)
 
-    def run_trees(rows):
-        (_, tree), = rows
-        pred = np.full(tree.layout.num_nodes, 1, dtype=np.int64)
-        pred[0] = 6
-        c = next(c for c, (cont, _, _) in enumerate(tree.cands) if cont == (6, 9))
-        pred[tree.layout.cand_index[c]] = [9, 77]
-        return [pred]
+    def run_trees(rows):  # pragma: no cover - no separate pass in fused mode
+        raise AssertionError(rows)
 
     drafts, _ = step.run([Live(0, s, len(text), 3, [])], 1, 1, 3, True, tokens, run_trees)
-    # the catch-up chain (6, 9, 77): draft (6, 9), the tree rooted at 77
-    assert stats.catch_up_requests == 1 and drafts == [[6, 9]]
+    assert stats.catch_up_requests == 1 and stats.lookahead_passes == 0
+    assert drafts == [[6, 9, 4]] and not s.draft_checked  # the lookup, unchecked
     plan = s.plan
-    assert plan.expect == [6, 9, 77] and plan.num_scheduled == 3
+    assert plan.catch_up and plan.expect == [] and plan.num_scheduled is None
+    assert plan.root == 5 and plan.root_pos == len(text) - 1
+    assert plan.tokens[0] == 5 and plan.positions[0] == plan.root_pos
+
+    def pred_confirming(plan):
+        pred = np.full(plan.layout.num_nodes, 1, dtype=np.int64)
+        pred[0] = 6  # the argmax after 5
+        c = next(c for c, (cont, _, _) in enumerate(plan.cands) if cont == (6, 9))
+        pred[plan.layout.cand_index[c]] = [9, 77]
+        return pred
+
+    # vLLM sampled one token, along the chain (6, 9, 77): (9, 77) is left
+    assert harvest(s, plan, pred_confirming(plan), [6]) == [9, 77]
+    assert s.draft_sources == [SOURCE_PROMPT, SOURCE_MODEL]
+    # it sampled the whole chain (the lookup's draft was accepted): nothing left
+    s2, _ = _live_request(text)
+    assert harvest(s2, plan, pred_confirming(plan), [6, 9, 77]) == []
+    # it sampled off the chain: nothing
+    s3, _ = _live_request(text)
+    assert harvest(s3, plan, pred_confirming(plan), [7]) == []
+
+
+def test_fused_step_with_a_chain_plans_the_next_tree_after_the_draft():
+    step, stats = _step("fused")
+    text = [4, 5, 6, 9, 4, 5]
+    s, tokens = _live_request(text)
+    drafts, _ = step.run([Live(0, s, len(text), 3, [6, 9, 77])], 1, 1, 3, True, tokens, None)
+    assert stats.catch_up_requests == 0 and drafts == [[6, 9]]
+    plan = s.plan
+    assert not plan.catch_up and plan.expect == [6, 9, 77] and plan.num_scheduled == 3
     assert plan.root == 77 and plan.root_pos == len(text) + 2
     assert plan.tokens[0] == 77 and plan.positions[0] == plan.root_pos
 
@@ -373,25 +401,19 @@ def test_step_budget_too_small_falls_back_to_the_unchecked_lookup():
 
 
 def test_a_step_whose_budget_cuts_windows_twice_counts_once():
-    """Fused mode, a budget (5 tokens) under one windowed tree (6 with one
-    candidate) but over one without window (3): the catch-up pass of the
-    request without a checked chain and the next tree of the request with
-    one both leave the window out -- one step with the window off, not two."""
-    step, stats = _step("fused", max_tree_tokens=5)
+    """Fused mode, a budget (6 tokens) under two windowed trees (6 each with
+    one candidate) but over two without window (3 each): the catch-up tree
+    of the request without a checked chain and the next tree of the request
+    with one both leave the window out -- one step with the window off."""
+    step, stats = _step("fused", max_tree_tokens=6)
     text = [4, 5, 6, 9, 4, 5]
     s0, tokens = _live_request(text)
     s1, _ = _live_request(text)
     tokens = np.concatenate([tokens, tokens])
-
     live = [Live(0, s0, len(text), 3, []), Live(1, s1, len(text), 3, [6, 9, 4])]
-    seen = []
-
-    def run_trees(rows):
-        seen.extend(tree.window for _, tree in rows)
-        return [np.full(tree.layout.num_nodes, 1, dtype=np.int64) for _, tree in rows]
-
-    step.run(live, 2, 2, 3, True, tokens, run_trees)
-    assert stats.catch_up_requests == 1 and seen == [False]
+    step.run(live, 2, 2, 3, True, tokens, None)
+    assert stats.catch_up_requests == 1
+    assert s0.plan is not None and s0.plan.catch_up and s0.plan.window is False
     assert s1.plan is not None and s1.plan.window is False
     assert stats.steps_window_off == 1
 

@@ -147,13 +147,18 @@ def test_tree_token_budget():
 
 
 def test_catch_up_is_priced():
-    # Without a checked chain, a fused tree first needs a catch-up pass.
+    # Without a checked chain, a fused tree confirms nothing in its first
+    # step (its catch-up): worth less than the same tree after a chain,
+    # at the same cost (no extra forward).
     planner = Planner(model(amx))
     acc = acceptance(**HIGH)
     with_chain = [s for s in planner.shapes(view(acc, chain=2), 1) if s.kind == "tree"]
     without = [s for s in planner.shapes(view(acc, chain=0), 1) if s.kind == "tree"]
-    assert all(s.extra_s == 0 for s in with_chain)
-    assert all(s.extra_s > 0 for s in without)
+    assert all(s.extra_s == 0 for s in with_chain + without)
+    assert all(a.tokens < b.tokens for a, b in zip(without, with_chain))
+    planner.horizon = 100.0  # long runs: the lost step hardly counts
+    long_run = [s for s in planner.shapes(view(acc, chain=0), 1) if s.kind == "tree"]
+    assert all(a.tokens < b.tokens for a, b in zip(without, long_run))
 
 
 # -- acceptance ----------------------------------------------------------------------
@@ -556,3 +561,79 @@ def test_load_probe_sees_another_busy_process():
         busy.kill()
         busy.wait()
     assert probe.cores > 0.5
+
+
+# -- trees that can be discovered ---------------------------------------------------
+def test_nothing_is_pulled_towards_a_prior_never_measured():
+    prior = AcceptancePrior(max_cands=4)
+    acc = RequestAcceptance(prior)
+    for _ in range(20):
+        acc.observe_tree([2, 2], [False, False], window_on=0.0)
+    prior.trees_seen = 0  # as if other requests had never run a tree
+    before = acc.tree_gain(2, 0.0)
+    for _ in range(200):
+        acc.relax()
+    assert acc.tree_gain(2, 0.0) == before
+
+
+def test_the_prior_forgets_its_assumed_start_fast():
+    prior = AcceptancePrior(max_cands=2)
+    assumed = prior.tree_cands[0]
+    acc = RequestAcceptance(prior)
+    for _ in range(5):
+        acc.observe_tree([0, 0], [False, False], window_on=0.0)
+    assert prior.trees_seen == 5
+    assert prior.tree_cands[0] < 0.25 * assumed  # a running mean, not a 2% EMA
+
+
+def test_window_gain_by_columns_and_harvest_credit():
+    prior = AcceptancePrior(max_cands=2, tree_cands=[0.0, 0.0], tree_window=1.0)
+    acc = RequestAcceptance(prior)
+    assert acc.tree_gain(0, 1.0) == pytest.approx(1.0)
+    assert acc.tree_gain(0, 0.25) == pytest.approx(0.5)  # sqrt of the share
+    assert acc.tree_gain(0, 0.0) == 0.0 and acc.tree_gain(0, True) == pytest.approx(1.0)
+    # a quarter of the window confirmed 1 token beyond the text: 2 for all W
+    for _ in range(80):
+        acc.observe_tree([0, 1], [False, True], window_on=0.25)
+    assert acc.tree_window == pytest.approx(2.0, abs=0.05)
+    # no window in the tree, but a candidate an earlier window harvested
+    # beats the text's: credited to the window
+    acc.tree_window = 0.0
+    acc.observe_tree([0, 2], [False, True], window_on=0.0)
+    assert acc.tree_window > 0.1
+    # ... and a tree without it tells nothing against it
+    w = acc.tree_window
+    acc.observe_tree([1, 0], [False, False], window_on=0.0)
+    assert acc.tree_window == w
+
+
+def test_planner_offers_part_of_the_window():
+    planner = Planner(model(amx))
+    shapes = planner.shapes(view(acceptance(**HIGH), chain=2, w=7, g=2), 1)
+    cols = sorted({s.window for s in shapes if s.kind == "tree"})
+    assert cols == [0, 1, 2, 4, 7]
+    nodes = {s.window: s.nodes for s in shapes if s.kind == "tree" and s.cands == 0}
+    assert nodes[1] < nodes[2] < nodes[4] < nodes[7]
+
+
+def test_exploration_is_bounded_priced_and_stops_once_learnt():
+    """Zero predicted tree gain: the plan never picks a tree by value, but
+    a request that has run none is given one within 3% of the planned time,
+    never one predicted to make the step more than twice the plan's; once
+    its trees are measured (and while fresh), no more."""
+    planner = Planner(model(amx))
+    acc = acceptance(**ZERO)
+    v = view(acc, chain=0, unchecked=0)
+    plans = [planner.plan([v], explore=True)[0] for _ in range(400)]
+    trees = [s for s in plans if s.kind == "tree"]
+    assert 0 < len(trees) < 40 and planner.explored == len(trees)
+    assert planner.explore_s <= Planner.EXPLORE_SHARE * planner.planned_s + 1e-12
+    off = planner.cost.predict(1, 1.0)
+    assert all(planner.cost.predict(1, s.query, tree=True) <= 2 * off + 1e-12 for s in trees)
+    # without exploring, the same plan is all off
+    assert planner.plan([v])[0] == OFF
+    # the request's trees measured: not explored again while that is fresh
+    acc.observe_tree([0], [False], window_on=0.0)
+    before = planner.explored
+    assert all(planner.plan([v], explore=True)[0] == OFF for _ in range(400))
+    assert planner.explored == before

@@ -435,3 +435,18 @@ def test_suffix_lookup_prefers_the_longest_suffix():
     assert suffix_lookup(np.array(toks), len(toks), 3) == [7, 7, 0]
     assert suffix_lookup(np.array([1, 2, 3]), 3, 4) == []  # nothing repeats
     assert suffix_lookup(np.array([1, 2, 1, 2]), 4, 0) == []
+
+
+def test_a_tree_with_part_of_the_window_moves_its_columns_only():
+    from vllm_lookahead.state import JacobiWindow
+
+    n, w = 4, 3
+    levels = np.arange(1, 1 + (n - 1) * w, dtype=np.int32)  # [[1 2 3] [4 5 6] [7 8 9]]
+    win = JacobiWindow(n, w, levels)
+    tree = build_tree(n, 2, 0)  # 2 of the 3 columns
+    toks = fill_tree_tokens(tree, 99, win.levels, np.zeros((0, n - 1), dtype=np.int32))
+    assert toks.tolist() == [99, 1, 4, 5, 7, 8]  # trunk (99, L0[0]), then L1[:2], L2[:2]
+    assert win.columns(99, np.array([20, 21])) == [(99, (4, 7, 20)), (1, (5, 8, 21))]
+    win.shift(np.array([20, 21]))
+    # L0[:1] <- L1[1:2]; L1[:2] <- L2[:2]; L2[:2] <- new; column 2 untouched
+    assert win.levels.tolist() == [[5, 2, 3], [7, 8, 6], [20, 21, 9]]

@@ -14,10 +14,14 @@ Per request, running estimates of the tokens a step gains from
   tells what every g <= G would have confirmed (the best of the first g);
   leaving out the candidates that came from the window tells what the tree
   would have confirmed without it (:meth:`RequestAcceptance.observe_tree`).
-  A step without a tree learns nothing about trees, so between trees the
-  estimates relax towards the engine's prior (:meth:`relax`): a request
-  whose tree was written off once is tried again only when the engine's
-  experience says trees pay;
+  The window's gain is learnt for the whole window (W columns) and read
+  for a tree of w columns as ``sqrt(w / W)`` of it (an assumption: the
+  columns' n-grams overlap). Candidates the window harvested into the pool
+  earlier credit the window when they confirm more than the text's, even in
+  a tree without the window. A step without a tree learns nothing about
+  trees, so between trees the estimates relax towards the engine's prior
+  (:meth:`relax`) -- once the engine has measured trees: before that the
+  prior is an assumption, and nothing is pulled towards it;
 * a **checked draft** (the chain a tree confirmed): per-token acceptance
   ``p_checked`` (1 with greedy decoding; lower when sampling).
 
@@ -46,6 +50,14 @@ def geometric_gain(p: float, k: int) -> float:
     if p >= 1:
         return float(k)
     return p * (1 - p**k) / (1 - p)
+
+
+def window_gain(full: float, share: float) -> float:
+    """The window's gain for a tree with ``share`` of its W columns, from
+    ``full``, the gain of all W: ``full * sqrt(share)`` (0 for none)."""
+    if not share or share <= 0:
+        return 0.0
+    return full * (min(float(share), 1.0) ** 0.5)
 
 
 @dataclass
@@ -102,11 +114,14 @@ class AcceptancePrior:
             self.tree_cands = [0.8 * (1 - 0.5 ** (g + 1)) / (1 - 0.5 ** self.max_cands)
                                for g in range(self.max_cands)]
 
-    def tree_gain(self, g: int, window: bool) -> float:
-        if g <= 0:
-            return self.tree_window if window else 0.0
-        base = self.tree_cands[min(g, self.max_cands) - 1]
-        return base + (self.tree_window if window else 0.0)
+    #: trees the engine has learnt from (the prior is LADE's figures at 0)
+    trees_seen: int = 0
+
+    def tree_gain(self, g: int, window: float) -> float:
+        """``window``: the share of the W columns the tree carries (0: off;
+        True: all)."""
+        base = self.tree_cands[min(g, self.max_cands) - 1] if g > 0 else 0.0
+        return base + window_gain(self.tree_window, window)
 
     def learn_unchecked(self, kind: str, p: float) -> None:
         self.p_unchecked[kind] += self.ema * (p - self.p_unchecked[kind])
@@ -115,10 +130,14 @@ class AcceptancePrior:
         self.p_checked += self.ema * (p - self.p_checked)
 
     def learn_tree(self, per_g: list[float], window_extra: float | None) -> None:
+        """One tree's outcome: a running mean over the first trees (the
+        assumed start is forgotten fast), then an EMA."""
+        self.trees_seen += 1
+        rate = max(self.ema, 1.0 / (self.trees_seen + 1))
         for g, m in enumerate(per_g[: self.max_cands]):
-            self.tree_cands[g] += self.ema * (m - self.tree_cands[g])
+            self.tree_cands[g] += rate * (m - self.tree_cands[g])
         if window_extra is not None:
-            self.tree_window += self.ema * (window_extra - self.tree_window)
+            self.tree_window += rate * (window_extra - self.tree_window)
 
     def snapshot(self) -> dict:
         return {
@@ -126,6 +145,7 @@ class AcceptancePrior:
             "p_checked": round(self.p_checked, 3),
             "tree_confirmed_by_candidates": [round(m, 3) for m in self.tree_cands],
             "tree_window_extra": round(self.tree_window, 3),
+            "trees_seen": self.trees_seen,
         }
 
 
@@ -151,6 +171,9 @@ class RequestAcceptance:
         self.tree_window = prior.tree_window
         #: Unchecked lookups compared with the tokens that came.
         self.seen = 0
+        #: Trees this request ran, and steps since its last one.
+        self.tree_runs = 0
+        self.since_tree = 0
         #: Whether a quiet-batch bound was taken with these estimates
         #: mature (``step.QuietBatches``).
         self.bounded = False
@@ -159,15 +182,15 @@ class RequestAcceptance:
     def unchecked_gain(self, k: int, kind: str = "suffix4") -> float:
         return geometric_gain(self.unchecked[kind].p, k)
 
-    def tree_gain(self, g: int, window: bool) -> float:
-        """Expected confirmed tokens of a tree with ``g`` candidates, the
-        window on or off (each confirmed token is drafted, checked, in the
-        next step)."""
+    def tree_gain(self, g: int, window: float) -> float:
+        """Expected confirmed tokens of a tree with ``g`` candidates and
+        ``window`` of the W window columns (0: off; True: all). Each
+        confirmed token is drafted, checked, in the next step."""
         if g <= 0:
             base = 0.0
         else:
             base = self.tree_cands[min(g, len(self.tree_cands)) - 1]
-        return base + (self.tree_window if window else 0.0)
+        return base + window_gain(self.tree_window, window)
 
     # -- what the proposer reports ---------------------------------------------
     def observe_unchecked(self, draft, produced, kind: str = "suffix4") -> None:
@@ -193,11 +216,15 @@ class RequestAcceptance:
         self.checked.add(accepted, accepted < drafted, self.keep)
         self.prior.learn_checked(self.checked.p)
 
-    def observe_tree(self, matches: list[int], from_window: list[bool], window_on: bool) -> None:
+    def observe_tree(self, matches: list[int], from_window: list[bool], window_on: float) -> None:
         """A tree ran: ``matches[c]`` tokens of candidate c (in the order
         the tree checked them) were confirmed; ``from_window[c]``: the
-        candidate came from the Jacobi window."""
+        candidate came from the Jacobi window (this step's or one that
+        harvested it earlier); ``window_on``: the share of the W columns
+        the tree carried (0: none)."""
         g_max = len(self.tree_cands)
+        self.tree_runs += 1
+        self.since_tree = 0
         # Candidates from the prompt / text: what the tree confirms without
         # the window, by how many of them it checks.
         per_g, best = [], 0
@@ -211,14 +238,26 @@ class RequestAcceptance:
             self.tree_cands[g] += a * (per_g[g] - self.tree_cands[g])
         extra = None
         if window_on:
-            extra = max(matches, default=0) - best
+            # normalised to the whole window (see window_gain)
+            extra = (max(matches, default=0) - best) / window_gain(1.0, window_on)
+        elif any(from_window):
+            # n-grams an earlier window harvested: credit where they beat
+            # the text's candidates (no window now: no evidence against it)
+            gained = max(matches, default=0) - best
+            extra = gained if gained > 0 else None
+        if extra is not None:
             self.tree_window += a * (extra - self.tree_window)
         self.prior.learn_tree(per_g, extra)
 
     def relax(self) -> None:
-        """A step without a tree: tree estimates move towards the prior."""
+        """A step without a tree: tree estimates move towards the prior,
+        once the engine has measured trees (never towards its assumed
+        start)."""
         r = self.relax_rate
         p = self.prior
+        self.since_tree += 1
+        if p.trees_seen <= 0:
+            return
         for g in range(len(self.tree_cands)):
             self.tree_cands[g] += r * (p.tree_cands[min(g, len(p.tree_cands) - 1)]
                                        - self.tree_cands[g])

@@ -128,7 +128,8 @@ def fill_tree_tokens(
     Args:
         root: the last accepted token ``x``.
         levels: int [N-1, W]; row 0 holds ``L0`` in columns 0..W-2 (the last
-            column is ignored), rows 1.. hold ``L_1 .. L_{N-2}``.
+            column is ignored), rows 1.. hold ``L_1 .. L_{N-2}``. A tree of
+            w < W columns takes the first w.
         candidates: int [g, N-1], candidate continuations of ``x``.
         out: optional int32 [T] buffer.
     Returns:
@@ -138,9 +139,9 @@ def fill_tree_tokens(
     toks = out if out is not None else np.empty(t, dtype=np.int32)
     w = layout.window_size
     toks[0] = root
-    if w:
+    if w:  # the window's first w columns (w <= W)
         toks[1:w] = levels[0, : w - 1]
-        toks[w : layout.level_index[-1, -1] + 1] = levels[1:].reshape(-1)
+        toks[w : layout.level_index[-1, -1] + 1] = levels[1:, :w].reshape(-1)
     if layout.num_candidates:
         toks[layout.cand_index[0, 0] :] = candidates.reshape(-1)
     return toks

@@ -185,7 +185,7 @@ def best_confirmed(state: RequestState, layout: TreeLayout, cands,
         matches.append(m)
         counts.append(count)
     state.acc.observe_tree(matches, [src == SOURCE_WINDOW for _, _, src in cands],
-                           layout.window_size > 0)
+                           layout.window_size / max(state.window.w, 1))
     best = choose_candidate(matches, counts)
     if best >= 0 and matches[best] > 0:
         m = matches[best]
@@ -214,7 +214,20 @@ def harvest(state: RequestState, plan: PlannedTree, pred: np.ndarray,
     """Fused mode: the checked chain from the tree that rode in this step's
     forward: tokens known to follow the sampled text (greedy: exactly), the
     last one the model's own prediction; [] if the tree rested on text vLLM
-    did not produce (``sampled != plan.expect``)."""
+    did not produce (``sampled != plan.expect``).
+
+    A catch-up tree (rooted at the token vLLM's rows started with) is read
+    whatever vLLM sampled; its chain holds as far as vLLM sampled along
+    it: what is left after the sampled tokens (greedy: after the one token
+    vLLM sampled without a draft)."""
+    if plan.catch_up:
+        chain = read_tree(state, plan, pred)
+        k = len(sampled)
+        if len(chain) <= k or list(chain[:k]) != list(sampled):
+            state.draft_sources = []
+            return []
+        state.draft_sources = state.draft_sources[k:]
+        return chain[k:]
     if list(sampled) != plan.expect:
         return []
     return read_tree(state, plan, pred)

@@ -34,8 +34,9 @@ from vllm_lookahead.acceptance import RequestAcceptance, geometric_gain
 from vllm_lookahead.attn_mask import tree_size
 
 #: Steps a tree is expected to keep running once started, before the engine
-#: has seen any (a fused tree that starts without a checked chain pays a
-#: catch-up pass, spread over these); then the measured figure is used.
+#: has seen any (a fused tree that starts without a checked chain confirms
+#: nothing in its first step: that step's gain is lost once over these);
+#: then the measured figure is used.
 TREE_HORIZON = 8
 
 
@@ -149,10 +150,10 @@ class BestCase:
 @lru_cache(maxsize=256)
 def _tree_options(ngram_size: int, window_size: int, g_max: int) -> tuple:
     """The tree shapes of a request with these N, W, G: ``(window columns,
-    candidates, nodes)`` for no window and the whole window, each with no
-    candidate (window only), 1, 2, 4, ... up to G."""
+    candidates, nodes)`` for no window and 1, 2, 4, ... up to W columns,
+    each with no candidate (window only), 1, 2, 4, ... up to G."""
     out = []
-    for w in ([0, window_size] if window_size > 0 else [0]):
+    for w in [0] + _cand_steps(window_size):
         for g in [0] + _cand_steps(g_max):
             if g or w:
                 out.append((w, g, tree_size(ngram_size, w, g)))
@@ -181,11 +182,27 @@ class Planner:
         sweeps: coordinate-ascent sweeps per step.
     """
 
+    #: Share of the predicted step time the planner may lose to trying a
+    #: tree it does not predict best (its acceptance is only ever learnt
+    #: from trees that run); never a tree that would make the step more
+    #: than EXPLORE_MAX_STEP times the planned one.
+    EXPLORE_SHARE = 0.03
+    EXPLORE_MAX_STEP = 2.0
+    #: A request is explored while it has run no tree, or this many steps
+    #: after its last one (what it learnt may be stale).
+    EXPLORE_AFTER = 64
+
     def __init__(self, cost, fused: bool = True, sweeps: int = 3) -> None:
         self.cost = cost
         self.fused = fused
         self.sweeps = sweeps
-        #: tree steps per catch-up pass (the proposer updates it from its
+        #: predicted seconds of the steps planned, and of the steps that
+        #: explored (deterministic: every TP rank plans alike)
+        self.planned_s = 0.0
+        self.explore_s = 0.0
+        self.explored = 0
+        self._turn = 0
+        #: tree steps per catch-up (the proposer updates it from its
         #: counts: tree runs that end soon make a catch-up dearer).
         self.horizon = float(TREE_HORIZON)
 
@@ -217,16 +234,16 @@ class Planner:
             # counted in the batch's tokens).
             extra_1 = self.cost.predict(1, 1) / max(batch, 1)
         for w, g, nodes in _tree_options(n, v.window_size, v.guess_set_size):
-            m = min(acc.tree_gain(g, w > 0), n - 1)
+            m = min(acc.tree_gain(g, w / max(v.window_size, 1)), n - 1)
             # Steady state: each step drafts the chain the last tree
             # confirmed (about m tokens) and checks the next tree.
             d = min(int(round(m)), v.room)
-            extra = extra_1
+            gain = m * checked
             if self.fused and v.chain <= 0:
-                # A catch-up pass (a forward over this tree alone)
-                # before the first fused tree, spread over a run.
-                extra = self.cost.predict(1, nodes) / max(self.horizon, 1.0)
-            out.append(Shape("tree", d, w, g, nodes, 1 + m * checked, extra))
+                # A catch-up tree rides in this step but confirms no draft
+                # until the next: one step of the run without its gain.
+                gain *= 1.0 - 1.0 / max(self.horizon, 1.0)
+            out.append(Shape("tree", d, w, g, nodes, 1 + gain, extra_1))
         return out
 
     # -- the batch ---------------------------------------------------------------
@@ -256,9 +273,11 @@ class Planner:
         return any(pays(gain, 1 + nodes, True) for gain, nodes in best.trees.values())
 
     def plan(self, views: list[RequestView], max_tree_tokens: int = 0,
-             others: int = 0) -> list[Shape]:
+             others: int = 0, explore: bool = False) -> list[Shape]:
         """One shape per request (in the order of ``views``); ``others``:
-        more requests in the step, off (one query token each)."""
+        more requests in the step, off (one query token each).
+        ``explore``: where the plan has no tree, perhaps try one
+        (:meth:`_explore`; the engine's steps do, the value tests not)."""
         r_n = len(views)
         if r_n == 0:
             return []
@@ -314,7 +333,58 @@ class Planner:
         chosen = [options[r][pick[r]] for r in range(r_n)]
         if max_tree_tokens > 0:
             chosen = self._fit(chosen, options, max_tree_tokens)
+        if not explore:
+            return chosen
+        sec = seconds(sum(c.query for c in chosen), sum(c.kind == "tree" for c in chosen),
+                      sum(c.query > 1 for c in chosen)) + sum(c.extra_s for c in chosen)
+        self.planned_s += sec
+        if not any(c.kind == "tree" for c in chosen):
+            self._explore(chosen, options, views, sec, seconds, max_tree_tokens)
         return chosen
+
+    def _explore(self, chosen, options, views, sec, seconds, max_tree_tokens) -> None:
+        """Give one request (in turn) that has not run a tree (or not for
+        :attr:`EXPLORE_AFTER` steps) the tree predicted to lose least
+        against the plan (time lost, at the plan's tokens per second), so
+        long as the steps so explored take at most :attr:`EXPLORE_SHARE` of
+        the predicted time planned so far; never a tree that would make the
+        step more than :attr:`EXPLORE_MAX_STEP` times the plan's."""
+        credit = self.EXPLORE_SHARE * self.planned_s - self.explore_s
+        if credit <= 0 or sec <= 0:
+            return
+        r_n = len(chosen)
+        tok = sum(c.tokens for c in chosen)
+        rate = tok / sec
+        q = sum(c.query for c in chosen)
+        n_draft = sum(c.query > 1 for c in chosen)
+        extra = sum(c.extra_s for c in chosen)
+        for k in range(r_n):
+            r = (self._turn + k) % r_n
+            v = views[r]
+            if v.fixed is not None or not v.trees:
+                continue
+            acc = v.acc
+            if getattr(acc, "tree_runs", 0) and getattr(acc, "since_tree", 0) < self.EXPLORE_AFTER:
+                continue
+            cur = chosen[r]
+            best = None
+            for o in options[r]:
+                if o.kind != "tree" or (max_tree_tokens and o.nodes > max_tree_tokens):
+                    continue
+                s2 = seconds(q - cur.query + o.query, 1,
+                             n_draft - (cur.query > 1) + (o.query > 1)) + extra - cur.extra_s \
+                    + o.extra_s
+                if s2 > self.EXPLORE_MAX_STEP * sec:
+                    continue
+                lost = (s2 - sec) - (o.tokens - cur.tokens) / rate
+                if s2 <= credit and (best is None or lost < best[0]):
+                    best = (lost, s2, o)
+            if best is not None:
+                chosen[r] = best[2]
+                self.explore_s += best[1]
+                self.explored += 1
+                self._turn = r + 1
+                return
 
     @staticmethod
     def _fit(chosen: list[Shape], options: list[list[Shape]], budget: int) -> list[Shape]:

@@ -53,15 +53,13 @@ class LookaheadProposer:
         )
         fused = self.cfg.mode == "fused"
         cg_mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
-        if fused and cg_mode is not None and str(getattr(cg_mode, "name", cg_mode)) != "NONE":
-            logger.warning(
-                "Lookahead: fused mode appends a varying number of tree tokens to "
-                "each forward, which CUDA graphs (cudagraph_mode=%s) cannot replay; "
-                "using mode='separate'. Set enforce_eager=True for the fused mode.",
-                cg_mode,
-            )
-            fused = False
+        graphs = graphs_note(cg_mode) if fused else None
+        if graphs:
+            logger.info("Lookahead: %s", graphs)
         self.fused = fused
+        #: max tokens of one forward (vLLM's compiled ranges end there)
+        self.max_step_tokens = getattr(vllm_config.scheduler_config,
+                                       "max_num_batched_tokens", None)
         self.num_spec_tokens = spec.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.states: dict[str, RequestState] = {}
@@ -164,16 +162,34 @@ class LookaheadProposer:
             state.plan = None
             i = index.get(req_id)
             # vLLM must feed exactly the planned draft, the tree's root
-            # following its last token.
-            if (
-                i is None
-                or self._scheduled.get(req_id) != plan.num_scheduled
-                or int(computed[i]) + plan.num_scheduled != plan.root_pos
-            ):
+            # following its last token (a catch-up tree: rooted at the
+            # first token vLLM feeds, whatever the draft).
+            scheduled = self._scheduled.get(req_id)
+            if plan.catch_up:
+                ok = i is not None and scheduled and int(computed[i]) == plan.root_pos
+            else:
+                ok = (i is not None and scheduled == plan.num_scheduled
+                      and int(computed[i]) + plan.num_scheduled == plan.root_pos)
+            if not ok:
                 self.stats.trees_dropped += 1
                 continue
             rows.append((i, plan))
             plans.append((req_id, plan))
+        # A forward never grows past vLLM's token budget (its compiled
+        # shapes end there): trees that would are dropped.
+        room = None
+        if self.max_step_tokens:
+            room = int(self.max_step_tokens) - int(input_ids.shape[0])
+        if room is not None:
+            kept = []
+            for row, p in zip(rows, plans):
+                size = len(row[1].tokens)
+                if size <= room:
+                    kept.append((row, p))
+                    room -= size
+                else:
+                    self.stats.trees_dropped += 1
+            rows, plans = [k[0] for k in kept], [k[1] for k in kept]
         if not rows:
             return forward(input_ids=input_ids, positions=positions, **kwargs)
         trees = _tree_requests(rows)
@@ -245,6 +261,7 @@ class LookaheadProposer:
         d["kv_page_layouts"] = getattr(self.worker, "layouts", None)
         d["disable_batch_size"] = self.disable_batch_size
         d["cost_model"] = self.planner.cost.snapshot() if self.planner is not None else None
+        d["explored_trees"] = self.planner.explored if self.planner is not None else 0
         d["acceptance_prior"] = self.prior.snapshot()
         return d
 
@@ -307,6 +324,20 @@ class StepTimer:
         """The step just planned (:meth:`StepDrafter.run`'s ``planned``;
         None: not planned, not timed) and the end of its proposer call."""
         self.last = (*planned, end) if planned is not None else None
+
+
+def graphs_note(cudagraph_mode) -> str | None:
+    """What fused mode does under ``cudagraph_mode`` (None: no graphs).
+
+    Fused mode runs under every mode: a step that carries tree rows runs
+    without graph replay (:func:`~vllm_lookahead.worker.graphs_off`), the
+    steps without trees replay vLLM's graphs as usual."""
+    name = str(getattr(cudagraph_mode, "name", cudagraph_mode))
+    if cudagraph_mode is None or name == "NONE":
+        return None
+    return (f"cudagraph_mode={name}: steps that carry lookahead trees run without "
+            "CUDA graph replay (compiled, eager attention); steps without trees replay "
+            "vLLM's graphs")
 
 
 def _tree_requests(rows: list[tuple[int, PlannedTree]]) -> list:

@@ -113,29 +113,34 @@ class JacobiWindow:
         return self.steps >= self.n - 2
 
     def columns(self, root: int, new: np.ndarray) -> list[tuple[int, tuple[int, ...]]]:
-        """The W n-grams of this step as (key, continuation).
+        """The n-grams of this step as (key, continuation), one per column
+        the tree carried (``len(new)``: the first w <= W columns).
 
         Column j is ``(B0[j], B_1[j], ..., B_{N-2}[j], new[j])`` where
         ``B0 = [root, L0[0], ..., L0[W-2]]``.
         """
-        trunk = np.empty(self.w, dtype=np.int32)
+        w = len(new)
+        trunk = np.empty(w, dtype=np.int32)
         trunk[0] = root
-        trunk[1:] = self.levels[0, : self.w - 1]
-        upper = self.levels[1:]  # [N-2, W]
+        trunk[1:] = self.levels[0, : w - 1]
+        upper = self.levels[1:, :w]  # [N-2, w]
         cols = np.concatenate([upper, np.asarray(new, dtype=np.int32)[None, :]], axis=0)
         t = trunk.tolist()
-        c = cols.T.tolist()  # [W][N-1]
-        return [(t[j], tuple(c[j])) for j in range(self.w)]
+        c = cols.T.tolist()  # [w][N-1]
+        return [(t[j], tuple(c[j])) for j in range(w)]
 
     def shift(self, new: np.ndarray) -> None:
-        """One Jacobi step: ``L0 <- L1[1:]``, ``L_l <- L_{l+1}``, newest <- new."""
+        """One Jacobi step: ``L0 <- L1[1:]``, ``L_l <- L_{l+1}``, newest <- new,
+        over the first ``len(new)`` columns (a tree may carry fewer than W:
+        the others keep their guesses until a tree carries them)."""
         new = np.asarray(new, dtype=np.int32)
+        w = len(new)
         if self.n == 2:
-            self.levels[0, : self.w - 1] = new[1:]
+            self.levels[0, : w - 1] = new[1:]
         else:
-            self.levels[0, : self.w - 1] = self.levels[1, 1:]
-            self.levels[1:-1] = self.levels[2:]
-            self.levels[-1] = new
+            self.levels[0, : w - 1] = self.levels[1, 1:w]
+            self.levels[1:-1, :w] = self.levels[2:, :w]
+            self.levels[-1, :w] = new
         self.steps += 1
 
 

@@ -23,9 +23,13 @@ rejection sampler, if it sampled exactly ``draft + [y]``:
 2. the next checked chain is the candidate the argmax chain confirms
    furthest (then most often seen, then newest) plus the argmax after it.
 
-Otherwise (first step, or a miss) a catch-up pass -- the separate pass below,
-for those requests only -- gives them a checked chain again. Without any tree
-(the token budget) the draft is the pool's unchecked guess.
+Otherwise (first step, or a miss) the request re-anchors in its next step,
+with no extra forward: its draft is the pool's unchecked guess and a
+*catch-up* tree rooted at its newest token -- the token vLLM's own rows of
+the step start with -- rides beside them, reading the cache before that
+token. Its checked chain holds for the step after as far as vLLM sampled
+along it. Without any tree (the token budget) the draft is the pool's
+unchecked guess.
 
 **separate** (two forwards per step). After sampling, one extra tree-masked
 forward rooted at the newest token (not cached yet) checks every candidate;
@@ -112,18 +116,12 @@ class StepDrafter:
         trees, planned = self._plan(live, drafts, token_ids, others=len(everyone) - len(live))
         window_cut = False  # the budget left a tree's window out (counted once a step)
         if self.fused:
-            # A catch-up pass for tree requests without a checked chain
-            # (first step, or last tree missed): their next draft is checked.
-            rescue = [(r, w, g) for r, w, g in trees if not r.chain and r.room > 0]
-            if rescue:
-                self.stats.catch_up_requests += len(rescue)
-                window_cut |= self._separate_pass(rescue, drafts, token_ids, run_trees,
-                                                  unchecked=False)
-                for r, _, _ in rescue:
-                    r.chain = drafts[r.i]
-                    if not r.chain:  # no tree fitted: the unchecked lookup
-                        drafts[r.i] = unchecked_draft(r.state, r.room, self.stats)
-            window_cut |= self._fused_plan([t for t in trees if t[0].chain], drafts, token_ids)
+            # Tree requests without a checked chain (first step, or the last
+            # tree missed) re-anchor in this very step: a catch-up tree
+            # rooted at their newest token rides beside vLLM's row of it,
+            # their draft the unchecked lookup meanwhile.
+            trees = [t for t in trees if t[0].chain or t[0].room > 0]
+            window_cut |= self._fused_plan(trees, drafts, token_ids)
         elif trees:
             window_cut = self._separate_pass(trees, drafts, token_ids, run_trees)
         self.stats.steps_window_off += window_cut
@@ -165,7 +163,7 @@ class StepDrafter:
             if st.catch_up_requests:
                 runs = st.fused_trees + st.pass_requests
                 self.planner.horizon = max(runs / st.catch_up_requests, 1.0)
-            shapes = self.planner.plan(views, self.cfg.max_tree_tokens, others)
+            shapes = self.planner.plan(views, self.cfg.max_tree_tokens, others, explore=True)
             q = sum(sh.query for sh in shapes) / len(shapes)
             planned = (len(live), q, any(sh.kind == "tree" for sh in shapes),
                        sum(sh.query > 1 for sh in shapes))
@@ -196,38 +194,51 @@ class StepDrafter:
 
     # -- trees ---------------------------------------------------------------
     def _fused_plan(self, trees, drafts, token_ids) -> bool:
-        """Turn each tree request's checked chain into its draft and plan
-        its tree for the next step (``drafts[i]`` becomes the chain but its
-        last token, the tree's root; ``state.plan`` the tree, if one fits).
-        Returns whether the token budget left the windows out."""
-        asks = []
+        """The trees that ride in the next forward (``trees``: ``(live,
+        window columns, candidates)``), all under one token budget.
+
+        A request with a checked chain drafts the chain but its last
+        token, the tree's root (``drafts[i]``; ``state.plan`` the tree, if
+        one fits). One without drafts its unchecked lookup and gets a
+        catch-up tree rooted at its newest token. Returns whether the
+        token budget left the windows out."""
+        asks, rows = [], []
         for r, w, g in trees:
             state, chain = r.state, r.chain
-            # All but the chain's last token is the draft; the last (the
-            # model's prediction after the draft) roots the tree.
-            k = min(len(chain) - 1, r.room)
-            drafts[r.i] = chain[:k]
-            state.draft_sources = state.draft_sources[:k]
-            state.draft_checked = True
-            expect = chain[: k + 1]
-            text = np.concatenate([token_ids[r.i, : r.n_tok], np.asarray(expect, token_ids.dtype)])
+            if chain:
+                # All but the chain's last token is the draft; the last (the
+                # model's prediction after the draft) roots the tree.
+                k = min(len(chain) - 1, r.room)
+                drafts[r.i] = chain[:k]
+                state.draft_sources = state.draft_sources[:k]
+                state.draft_checked = True
+                expect = chain[: k + 1]
+                text = np.concatenate([token_ids[r.i, : r.n_tok],
+                                       np.asarray(expect, token_ids.dtype)])
+                root, root_pos, catch_up = expect[-1], r.n_tok + k, False
+            else:
+                drafts[r.i] = unchecked_draft(state, r.room, self.stats)
+                text = token_ids[r.i, : r.n_tok]
+                expect, root, root_pos, catch_up = [], int(text[-1]), r.n_tok - 1, True
             asks.append(TreeAsk(
                 ngram_size=state.settings.ngram_size, window=w,
                 cands=candidates(state, text, self.cfg.prompt_pool)[:g],
-                root=expect[-1], root_pos=r.n_tok + k, levels=state.window.levels,
-                expect=expect))
+                root=root, root_pos=root_pos, levels=state.window.levels,
+                expect=expect, catch_up=catch_up))
+            rows.append(r)
         if not asks:
             return False
         planned, use_window = plan_trees(asks, self.cfg.max_tree_tokens, self.max_model_len)
-        for (r, _, _), tree in zip(trees, planned):
+        for r, tree in zip(rows, planned):
             if tree is not None:
                 r.state.plan = tree
+                self.stats.catch_up_requests += tree.catch_up
         return not use_window
 
-    def _separate_pass(self, trees, drafts, token_ids, run_trees, unchecked: bool = True) -> bool:
+    def _separate_pass(self, trees, drafts, token_ids, run_trees) -> bool:
         """One extra tree-masked forward rooted at each request's newest
         token; ``drafts[i]`` becomes its checked chain (without a tree: the
-        lookup's unchecked guess if ``unchecked``, else nothing). Returns
+        lookup's unchecked guess). Returns
         whether the token budget left the windows out.
 
         ``trees``: ``(live, window columns, candidates)`` per request."""
@@ -244,7 +255,7 @@ class StepDrafter:
             if r.room <= 0:  # counted in the budget, but no draft to check
                 continue
             if tree is None:
-                drafts[r.i] = unchecked_draft(r.state, r.room, self.stats) if unchecked else []
+                drafts[r.i] = unchecked_draft(r.state, r.room, self.stats)
                 continue
             work.append((r, tree))
         if not work:

@@ -7,9 +7,11 @@ both modes:
   model's prediction after the draft), at the position right after the
   draft; the tree rides in the next step's forward and holds iff vLLM
   samples :attr:`PlannedTree.expect` (``draft + [y]``).
-* **separate pass** (and the fused mode's catch-up pass): rooted at the
-  request's newest token (not cached yet); the tree runs in an extra
-  forward right away.
+* **separate pass**: rooted at the request's newest token (not cached
+  yet); the tree runs in an extra forward right away;
+* **fused catch-up** (a request without a checked chain: its first step,
+  or a miss): rooted at the newest token too, but riding in the step's own
+  forward beside vLLM's row of that token.
 
 Either way the step's trees are fitted to ``max_tree_tokens``
 (:func:`~vllm_lookahead.attn_mask.fit_budget`: all windows go first, then
@@ -39,7 +41,11 @@ class TreeAsk:
         root: the root token; root_pos: its position (the tree reads
             ``root_pos`` cached tokens).
         levels: int32 [N-1, W] the request's Jacobi window levels.
-        expect: fused mode: ``draft + [root]`` ([] for a separate pass).
+        expect: fused mode: ``draft + [root]`` ([] for a separate pass or
+            a catch-up tree).
+        catch_up: fused mode: the tree is rooted at the request's newest
+            token, which vLLM's own rows of the same step carry too (a
+            request without a checked chain re-anchors in its next step).
     """
 
     ngram_size: int
@@ -49,6 +55,7 @@ class TreeAsk:
     root_pos: int
     levels: np.ndarray
     expect: list = field(default_factory=list)
+    catch_up: bool = False
 
 
 @dataclass
@@ -71,6 +78,11 @@ class PlannedTree:
             tokens.
         window: whether the window's nodes are in the tree.
         expect: fused mode: ``draft + [y]`` ([] for a separate pass).
+        catch_up: fused mode: rooted at the newest token, which vLLM's rows
+            of the same step start with (any draft after it); the tree
+            reads the ``root_pos`` tokens before it, never this step's
+            draft, and its checked chain holds for the next step as far as
+            vLLM sampled along it.
     """
 
     layout: TreeLayout
@@ -81,11 +93,13 @@ class PlannedTree:
     root_pos: int
     window: bool
     expect: list = field(default_factory=list)
+    catch_up: bool = False
 
     @property
-    def num_scheduled(self) -> int:
-        """Fused mode: tokens vLLM must schedule for the request (1 + draft)."""
-        return len(self.expect)
+    def num_scheduled(self) -> int | None:
+        """Fused mode: tokens vLLM must schedule for the request (1 +
+        draft); None for a catch-up tree (any count: its root is the first)."""
+        return None if self.catch_up else len(self.expect)
 
 
 def plan_trees(asks: list[TreeAsk], max_tree_tokens: int,
@@ -128,6 +142,7 @@ def _build(ask: TreeAsk, use_window: bool, cap: int, max_model_len: int) -> Plan
         root_pos=ask.root_pos,
         window=w > 0,
         expect=ask.expect,
+        catch_up=ask.catch_up,
     )
 
 

@@ -17,6 +17,7 @@ Outside those, the wrapper hands every call to the original impl untouched.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 
@@ -391,7 +392,8 @@ class LookaheadWorker:
         self.fused_meta = meta
         self._extra_rows = self._extra_pred = None
         try:
-            hidden = forward(input_ids=ids, positions=pos, **kwargs)
+            with graphs_off():
+                hidden = forward(input_ids=ids, positions=pos, **kwargs)
         finally:
             self.fused_meta = None
         rows, spans = _read_rows(requests, meta.starts)
@@ -418,6 +420,29 @@ class LookaheadWorker:
         if pred is None:
             raise RuntimeError("lookahead: the tree rows' logits were lost")
         return pred
+
+
+@contextlib.contextmanager
+def graphs_off():
+    """Run the enclosed model call without CUDA graph replay: a step that
+    carries tree rows has a token count and an attention path (ours, in
+    Python) that no captured graph holds. vLLM's graph wrappers call the
+    model directly when the forward context's runtime mode is NONE
+    (``vllm/compilation/cuda_graph.py``); the steps without trees keep
+    vLLM's graphs. A no-op when nothing is captured (the CPU, eager)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    ctx = get_forward_context() if is_forward_context_available() else None
+    old = getattr(ctx, "cudagraph_runtime_mode", None)
+    if ctx is None or old is None or old == CUDAGraphMode.NONE:
+        yield
+        return
+    ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE
+    try:
+        yield
+    finally:
+        ctx.cudagraph_runtime_mode = old
 
 
 class FusedPreds:
