@@ -7,6 +7,9 @@ and times, inside the real engine:
 * our tree attention per layer call (``TreeAttentionImpl._tree``: gathering
   the paged prefix, the SDPA over prefix + tree, writing the rows back);
 * vLLM's own attention per layer call (its rows of the same step);
+* both per query row (tree rows per fused step; vLLM's: the newest token
+  plus the draft): the work grows with the rows, so this is the like-for-
+  like figure of the two kernels;
 * the whole engine step (wall time per output step, from vLLM's counters).
 
     .venv/bin/python benchmarks/tree_step_profile.py [--dtype bfloat16] [--tokens 64]
@@ -90,6 +93,7 @@ def profile(model: str, dtype: str, tree: tuple[int, int, int], prompts, tokens:
     steps = after["decode_steps"] - before["decode_steps"]
     tree_tokens = after["lookahead_query_tokens"] - before["lookahead_query_tokens"]
     fused = after["fused_steps"] - before["fused_steps"]
+    drafted = after["draft_tokens"] - before["draft_tokens"]
     llm.llm_engine.engine_core.shutdown()
     n_layers = len(wrapped)
     return {
@@ -100,6 +104,12 @@ def profile(model: str, dtype: str, tree: tuple[int, int, int], prompts, tokens:
         "tree_attention_ms_per_layer": ours.per_call_ms(),
         "tree_attention_ms_per_step": 1e3 * ours.seconds / max(fused, 1),
         "vllm_attention_ms_per_layer": theirs.per_call_ms(),
+        # vLLM's own query rows per step: the newest token plus the draft
+        "vllm_rows_per_step": 1 + drafted / max(steps, 1),
+        "tree_attention_us_per_row_layer":
+            1e3 * ours.per_call_ms() / max(tree_tokens / max(fused, 1), 1e-9),
+        "vllm_attention_us_per_row_layer":
+            1e3 * theirs.per_call_ms() / (1 + drafted / max(steps, 1)),
     }
 
 
@@ -122,12 +132,16 @@ def main(argv=None) -> int:
     hw = hardware_id()
     print(f"\nfused lookahead step, SmolLM2-135M, batch 1, tree N,W,G = {args.tree}; "
           f"CPU: {hw.get('cpu')}; LD_PRELOAD={os.environ.get('LD_PRELOAD', '') or '(none)'}")
-    print(f"{'dtype':10s}{'step ms':>9s}{'tree tok':>9s}{'tree attn ms/layer':>20s}"
-          f"{'tree attn ms/step':>19s}{'vLLM attn ms/layer':>20s}")
+    print(f"{'dtype':10s}{'step ms':>9s}{'tree tok':>9s}{'vLLM tok':>9s}"
+          f"{'tree attn ms/layer':>20s}{'tree attn ms/step':>19s}{'vLLM attn ms/layer':>20s}"
+          f"{'tree us/row':>13s}{'vLLM us/row':>13s}")
     for r in rows:
         print(f"{r['dtype']:10s}{r['step_ms']:9.1f}{r['tree_tokens_per_step']:9.1f}"
+              f"{r['vllm_rows_per_step']:9.1f}"
               f"{r['tree_attention_ms_per_layer']:20.3f}{r['tree_attention_ms_per_step']:19.1f}"
-              f"{r['vllm_attention_ms_per_layer']:20.3f}")
+              f"{r['vllm_attention_ms_per_layer']:20.3f}"
+              f"{r['tree_attention_us_per_row_layer']:13.1f}"
+              f"{r['vllm_attention_us_per_row_layer']:13.1f}")
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"hardware": hw, "ld_preload": os.environ.get("LD_PRELOAD", ""),

@@ -8,6 +8,8 @@ would on a backend whose cache the probe cannot read."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tests.engine_utils import engine, first_mismatch, generate_ids, real_prompt_ids, token_prompts
@@ -15,7 +17,7 @@ from tests.engine_utils import engine, first_mismatch, generate_ids, real_prompt
 pytestmark = pytest.mark.e2e
 
 
-def test_unservable_backend_falls_back_to_prompt_lookup(smollm2_path, monkeypatch, capfd):
+def test_unservable_backend_falls_back_to_prompt_lookup(smollm2_path, monkeypatch):
     from vllm import SamplingParams
 
     from vllm_lookahead import get_lookahead_stats, worker
@@ -30,11 +32,17 @@ def test_unservable_backend_falls_back_to_prompt_lookup(smollm2_path, monkeypatc
         raise UnsupportedLayout("test: a page layout the probe cannot read")
 
     monkeypatch.setattr(worker, "probe_page_layout", probe)
-    capfd.readouterr()
-    with engine(smollm2_path, speculative_config={"method": "lookahead"}) as llm:
-        ours = generate_ids(llm, prompts, greedy)
-        stats = get_lookahead_stats(llm)
-    out = capfd.readouterr()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("vllm.vllm_lookahead.proposer")  # the proposer's logger
+    log.addHandler(handler)
+    try:
+        with engine(smollm2_path, speculative_config={"method": "lookahead"}) as llm:
+            ours = generate_ids(llm, prompts, greedy)
+            stats = get_lookahead_stats(llm)
+    finally:
+        log.removeHandler(handler)
     for i, (a, b) in enumerate(zip(vanilla, ours)):
         assert a == b, (i, first_mismatch(a, b))
     why = stats["trees_unsupported"]
@@ -42,7 +50,5 @@ def test_unservable_backend_falls_back_to_prompt_lookup(smollm2_path, monkeypatc
     assert stats["fused_trees"] == 0 and stats["lookahead_passes"] == 0
     assert stats["arm_steps"]["tree"] == 0
     assert stats["cost_model"]["source"] == "assumed"
-    # vLLM's logger writes to the process's stdout
-    logged = [line for line in (out.out + out.err).splitlines()
-              if "cannot run on this engine" in line]
+    logged = [r.getMessage() for r in records if "cannot run on this engine" in r.getMessage()]
     assert len(logged) == 1 and "attention backend CPUAttentionBackendImpl" in logged[0]

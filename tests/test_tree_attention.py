@@ -432,8 +432,9 @@ def tree_meta(reqs, offset, cache_writer, cache, bs, device="cpu"):
         hd = hd or cache_writer.head_size
         k = torch.randn(length, kvh, hd)
         v = torch.randn(length, kvh, hd)
-        cache_writer(k.to(cache.dtype), v.to(cache.dtype), cache, _slots(blk, length, bs))
-        prefixes.append((k, v))
+        k, v = k.to(cache.dtype), v.to(cache.dtype)
+        cache_writer(k, v, cache, _slots(blk, length, bs))
+        prefixes.append((k.float(), v.float()))
         tree = build_tree(n, w, g)
         starts.append(row)
         row += tree.num_nodes
@@ -456,38 +457,41 @@ class _CpuWriter:
         _vllm_writer("vec")(k, v, cache, slots)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
 @pytest.mark.parametrize("sizes", ["mixed", "uniform"])
 @pytest.mark.parametrize("window", [-1, 40])
-def test_batched_tree_attention_equals_reference(window, sizes, softcap):
+def test_batched_tree_attention_equals_reference(window, sizes, softcap, dtype):
     from types import SimpleNamespace
 
     from vllm_lookahead.worker import TreeAttentionImpl
 
     torch.manual_seed(0)
     kvh, h, hd, bs = 2, 6, 64, 16
-    cache = torch.randn(12, kvh, bs, 2 * hd)  # garbage outside what is written
+    cache = torch.randn(12, kvh, bs, 2 * hd).to(dtype)  # garbage outside what is written
     writer = _CpuWriter()
-    layout = probe_block_layout(bs, kvh, hd, torch.float32, writer)
+    layout = probe_block_layout(bs, kvh, hd, dtype, writer)
     reqs = [(37, [3, 0, 9], (4, 3, 2)), (5, [7], (3, 2, 0)), (60, [1, 4, 8, 11], (2, 4, 3))]
     if sizes == "uniform":  # same tree everywhere: the unpadded path
         reqs = [(length, blk, (4, 3, 2)) for length, blk, _ in reqs]
     offset = 5  # fused: tree rows follow vLLM's own rows
     meta, total, prefixes = tree_meta(reqs, offset, writer, cache, bs)
     assert meta.uniform == (sizes == "uniform")
-    query = torch.randn(total, h, hd)
-    key = torch.randn(total, kvh, hd)
-    value = torch.randn(total, kvh, hd)
+    query = torch.randn(total, h, hd).to(dtype)
+    key = torch.randn(total, kvh, hd).to(dtype)
+    value = torch.randn(total, kvh, hd).to(dtype)
     inner = SimpleNamespace(scale=0.3, logits_soft_cap=softcap, sliding_window=window)
     impl = TreeAttentionImpl(inner, "layer", 0, layout, owner=None)
-    out = torch.full((total, h, hd), 7.0)
+    out = torch.full((total, h, hd), 7.0, dtype=dtype)
     impl._tree(meta, query, key, value, cache, out)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
     for r, (s, e) in enumerate(zip(meta.starts, meta.ends)):
         ck, cv = prefixes[r]
-        ref = tree_attention(query[s:e], key[s:e], value[s:e], ck.transpose(0, 1),
-                             cv.transpose(0, 1), torch.from_numpy(meta.masks[r]),
+        ref = tree_attention(query[s:e].float(), key[s:e].float(), value[s:e].float(),
+                             ck.transpose(0, 1), cv.transpose(0, 1),
+                             torch.from_numpy(meta.masks[r]),
                              torch.from_numpy(meta.positions[s - offset:e - offset]), 0.3,
                              sliding_window=window, softcap=softcap)
-        torch.testing.assert_close(out[s:e], ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[s:e].float(), ref, rtol=tol, atol=tol)
     # vLLM's own rows are left alone
     assert torch.all(out[:offset] == 7.0)
