@@ -351,7 +351,10 @@ def test_fused_step_catches_up_in_the_step_itself():
 
     drafts, _ = step.run([Live(0, s, len(text), 3, [])], 1, 1, 3, True, tokens, run_trees)
     assert stats.catch_up_requests == 1 and stats.lookahead_passes == 0
-    assert drafts == [[6, 9, 4]] and not s.draft_checked  # the lookup, unchecked
+    # the lookup (6, 9, 4), unchecked, as far as its acceptance (the prior's
+    # 0.4 per token for a 2-token suffix match) keeps p^k >= 1/4: one token
+    assert s.lookup == [6, 9, 4] and s.lookup_kind == "suffix2"
+    assert drafts == [[6]] and not s.draft_checked
     plan = s.plan
     assert plan.catch_up and plan.expect == [] and plan.num_scheduled is None
     assert plan.root == 5 and plan.root_pos == len(text) - 1

@@ -211,8 +211,10 @@ def test_planner_follows_the_cost_curve_and_stays_exact(smollm2_path, prompts, v
     else:
         # Even the smallest tree (one candidate: 4 nodes) makes a step cost
         # twice a plain one here, for about one token: never run, not even
-        # to try; short drafts still pay.
+        # to explore (a tried tree may cost at most 1.5 steps); short drafts
+        # still pay.
         assert arms["tree"] == 0 and st["lookahead_query_tokens"] == 0, arms
+        assert st["explored_trees"] == 0, st
         assert arms["pool"] > 0 and st["accepted_tokens"] > 0, arms
 
 

@@ -619,7 +619,7 @@ def test_planner_offers_part_of_the_window():
 def test_exploration_is_bounded_priced_and_stops_once_learnt():
     """Zero predicted tree gain: the plan never picks a tree by value, but
     a request that has run none is given one within 3% of the planned time,
-    never one predicted to make the step more than twice the plan's; once
+    never one predicted to make the step more than 1.5x the plan's; once
     its trees are measured (and while fresh), no more."""
     planner = Planner(model(amx))
     acc = acceptance(**ZERO)
@@ -629,7 +629,7 @@ def test_exploration_is_bounded_priced_and_stops_once_learnt():
     assert 0 < len(trees) < 40 and planner.explored == len(trees)
     assert planner.explore_s <= Planner.EXPLORE_SHARE * planner.planned_s + 1e-12
     off = planner.cost.predict(1, 1.0)
-    assert all(planner.cost.predict(1, s.query, tree=True) <= 2 * off + 1e-12 for s in trees)
+    assert all(planner.cost.predict(1, s.query, tree=True) <= 1.5 * off + 1e-12 for s in trees)
     # without exploring, the same plan is all off
     assert planner.plan([v])[0] == OFF
     # the request's trees measured: not explored again while that is fresh

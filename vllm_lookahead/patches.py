@@ -76,8 +76,9 @@ every other method untouched:
     generator is saved before sampling and put back where vLLM rewinds, so
     the request samples as if its prompt had come in one step.
 12. ``compute_logits`` of the engine's model *instance* (installed by
-    :func:`install_logits_hook` when the lookahead worker is built, not at
-    plugin load: the method belongs to each model class): in a fused step
+    :func:`install_logits_hook` from patch 6 on the first step with a
+    lookahead worker, not at plugin load: the method belongs to each model
+    class): in a fused step
     the hidden states of the tree nodes whose argmax the step reads ride
     in vLLM's own logits call (appended after its rows; vLLM gets its rows
     back), so the output layer's weights are read once per step. Any other
@@ -227,6 +228,8 @@ def _patch_model_runner() -> None:
         drafter = _lookahead(self)
         if drafter is None or input_ids is None:
             return orig_forward(self, input_ids=input_ids, positions=positions, **kwargs)
+        if drafter.worker is not None:
+            install_logits_hook(self.model, drafter)  # patch 12 (once)
         return drafter.model_forward(
             self, functools.partial(orig_forward, self), input_ids, positions, **kwargs
         )

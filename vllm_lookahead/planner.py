@@ -185,9 +185,10 @@ class Planner:
     #: Share of the predicted step time the planner may lose to trying a
     #: tree it does not predict best (its acceptance is only ever learnt
     #: from trees that run); never a tree that would make the step more
-    #: than EXPLORE_MAX_STEP times the planned one.
+    #: than EXPLORE_MAX_STEP times the planned one (a tree step of several
+    #: plain steps is never tried).
     EXPLORE_SHARE = 0.03
-    EXPLORE_MAX_STEP = 2.0
+    EXPLORE_MAX_STEP = 1.5
     #: A request is explored while it has run no tree, or this many steps
     #: after its last one (what it learnt may be stale).
     EXPLORE_AFTER = 64

@@ -200,6 +200,14 @@ class LookaheadProposer:
         self._fused_out = {req_id: (plan, preds, r) for r, (req_id, plan) in enumerate(plans)}
         return hidden
 
+    # -- patch 12: the tree rows' logits in vLLM's own logits call --------
+    def take_extra_rows(self):
+        return self.worker.take_extra_rows() if self.worker is not None else None
+
+    def put_extra_logits(self, logits) -> None:
+        if self.worker is not None:
+            self.worker.put_extra_logits(logits)
+
     def propose_for_runner(self, runner, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Drafts for every request of the runner's batch (batch order)."""
         t0 = time.perf_counter()

@@ -199,9 +199,10 @@ class StepDrafter:
 
         A request with a checked chain drafts the chain but its last
         token, the tree's root (``drafts[i]``; ``state.plan`` the tree, if
-        one fits). One without drafts its unchecked lookup and gets a
-        catch-up tree rooted at its newest token. Returns whether the
-        token budget left the windows out."""
+        one fits). One without gets a catch-up tree rooted at its newest
+        token and drafts as much of its unchecked lookup as
+        :func:`catch_up_draft_len` says. Returns whether the token budget
+        left the windows out."""
         asks, rows = [], []
         for r, w, g in trees:
             state, chain = r.state, r.chain
@@ -217,7 +218,8 @@ class StepDrafter:
                                        np.asarray(expect, token_ids.dtype)])
                 root, root_pos, catch_up = expect[-1], r.n_tok + k, False
             else:
-                drafts[r.i] = unchecked_draft(state, r.room, self.stats)
+                k = catch_up_draft_len(state, r.room)
+                drafts[r.i] = unchecked_draft(state, k, self.stats)
                 text = token_ids[r.i, : r.n_tok]
                 expect, root, root_pos, catch_up = [], int(text[-1]), r.n_tok - 1, True
             asks.append(TreeAsk(
@@ -268,6 +270,28 @@ class StepDrafter:
             drafts[r.i] = read_tree(r.state, tree, pred)
             r.state.draft_checked = True
         return not use_window
+
+
+#: A catch-up step drafts the unchecked lookup's tokens while the next one
+#: is expected to be accepted at least this often.
+CATCH_UP_DRAFT_P = 0.25
+
+
+def catch_up_draft_len(state, room: int) -> int:
+    """How much of its unchecked lookup a request drafts in a catch-up step:
+    the first k tokens, k the longest with ``p^k >= CATCH_UP_DRAFT_P``, p
+    its measured per-token acceptance of this kind of lookup (learnt from
+    its text alone: the same on every run). Sampling at a high temperature
+    accepts few unchecked tokens: then none, and the tree checks its
+    chain for the next step."""
+    if room <= 0 or not state.lookup:
+        return 0
+    p = state.acc.unchecked[state.lookup_kind].p
+    k, q = 0, p
+    while k < min(room, len(state.lookup)) and q >= CATCH_UP_DRAFT_P:
+        k += 1
+        q *= p
+    return k
 
 
 class QuietBatches:

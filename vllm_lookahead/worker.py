@@ -327,9 +327,7 @@ class LookaheadWorker:
         for _, layer, impl in wrap:
             if impl is not None:
                 layer.impl = impl
-        from vllm_lookahead.patches import install_logits_hook
 
-        install_logits_hook(runner.model, self)
         self.layer_names = [name for name, _, _ in wrap]
         self.layouts = sorted({lay.name for lay in layouts.values()})
         logger.info(
@@ -409,7 +407,8 @@ class LookaheadWorker:
         self._extra_rows = hidden.index_select(0, rows.to(hidden.device))
         return hidden[:n], FusedPreds(self, spans)
 
-    # -- patch 12: the read tree rows ride in vLLM's logits call ----------
+    # -- patch 12 (installed by patches on the runner's model): the read
+    # tree rows ride in vLLM's logits call ---------------------------------
     def take_extra_rows(self) -> torch.Tensor | None:
         rows, self._extra_rows = self._extra_rows, None
         return rows
