@@ -180,7 +180,8 @@ def test_planner_follows_the_cost_curve_and_stays_exact(smollm2_path, prompts, v
                                                         machine, tmp_path):
     """The planner (``adaptive``, the default) chooses each request's shape
     from the step cost curve: where query tokens cost nothing it runs fused
-    trees, where each one costs a quarter step it runs none.
+    trees, where each one costs a quarter step it runs none but the few it
+    explores.
     Whatever it picks, the outputs stay identical, batched and one request
     at a time."""
     from vllm import SamplingParams
@@ -209,12 +210,12 @@ def test_planner_follows_the_cost_curve_and_stays_exact(smollm2_path, prompts, v
         # exactness is promised.
         pass
     else:
-        # Even the smallest tree (one candidate: 4 nodes) makes a step cost
-        # twice a plain one here, for about one token: never run, not even
-        # to explore (a tried tree may cost at most 1.5 steps); short drafts
-        # still pay.
-        assert arms["tree"] == 0 and st["lookahead_query_tokens"] == 0, arms
-        assert st["explored_trees"] == 0, st
+        # Even the smallest tree (3 nodes) makes a one-request step cost
+        # 1.75x a plain one here, for a fraction of a token: never chosen
+        # for its value. The planner may only explore one (at most 1.5
+        # plain steps, within 3% of the time): at batch 6, where 3 more
+        # tokens cost a third of a step; short drafts still pay.
+        assert arms["tree"] == st["explored_trees"] <= 8, (arms, st["explored_trees"])
         assert arms["pool"] > 0 and st["accepted_tokens"] > 0, arms
 
 

@@ -327,14 +327,18 @@ def test_lookahead_sampling_matches_vanilla(lookahead_run, vanilla_samples, vari
 @pytest.mark.e2e
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_lookahead_accepts_drafts_while_sampling(lookahead_run, variant):
-    """Drafts were verified and accepted while sampling (otherwise the
-    comparison above proves nothing). A draft token is accepted with the
-    target's probability of it; ours are mostly the target's argmax, so on
-    this prompt about 28% are accepted at temperature 1.0 (0.1% with the
-    vLLM-CPU expand bug)."""
+    """Drafts were verified, accepted and rejected while sampling (otherwise
+    the comparison above proves nothing). A draft token is accepted with the
+    target's probability of it. With 4 tokens per request, most drafts here
+    come from a request's first steps, before a tree has checked a chain
+    (a catch-up rides in the step, no extra pass): one-token prompt
+    lookups, about 9-25% accepted at temperature 1.0 on this prompt (with
+    the vLLM-CPU expand bug: 0.1%)."""
     d = lookahead_run["delta"][variant]
     assert d["drafts"] > 0 and d["draft_tokens"] > 0, d
-    assert d["accepted_tokens"] > 0.1 * d["draft_tokens"], d
+    assert d["accepted_tokens"] >= 8, d
+    assert d["accepted_tokens"] > 0.05 * d["draft_tokens"], d
+    assert d["draft_tokens"] - d["accepted_tokens"] >= 8, d  # rejections too
 
 
 @pytest.mark.e2e

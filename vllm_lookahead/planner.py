@@ -185,7 +185,7 @@ class Planner:
     #: Share of the predicted step time the planner may lose to trying a
     #: tree it does not predict best (its acceptance is only ever learnt
     #: from trees that run); never a tree that would make the step more
-    #: than EXPLORE_MAX_STEP times the planned one (a tree step of several
+    #: than EXPLORE_MAX_STEP times a plain one (a tree step of several
     #: plain steps is never tried).
     EXPLORE_SHARE = 0.03
     EXPLORE_MAX_STEP = 1.5
@@ -349,7 +349,8 @@ class Planner:
         against the plan (time lost, at the plan's tokens per second), so
         long as the steps so explored take at most :attr:`EXPLORE_SHARE` of
         the predicted time planned so far; never a tree that would make the
-        step more than :attr:`EXPLORE_MAX_STEP` times the plan's."""
+        step more than :attr:`EXPLORE_MAX_STEP` times a plain step (every
+        request off)."""
         credit = self.EXPLORE_SHARE * self.planned_s - self.explore_s
         if credit <= 0 or sec <= 0:
             return
@@ -359,6 +360,7 @@ class Planner:
         q = sum(c.query for c in chosen)
         n_draft = sum(c.query > 1 for c in chosen)
         extra = sum(c.extra_s for c in chosen)
+        plain = seconds(r_n, 0, 0)  # the step with every request off (1 token each)
         for k in range(r_n):
             r = (self._turn + k) % r_n
             v = views[r]
@@ -375,7 +377,7 @@ class Planner:
                 s2 = seconds(q - cur.query + o.query, 1,
                              n_draft - (cur.query > 1) + (o.query > 1)) + extra - cur.extra_s \
                     + o.extra_s
-                if s2 > self.EXPLORE_MAX_STEP * sec:
+                if s2 > self.EXPLORE_MAX_STEP * plain:
                     continue
                 lost = (s2 - sec) - (o.tokens - cur.tokens) / rate
                 if s2 <= credit and (best is None or lost < best[0]):
