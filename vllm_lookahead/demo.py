@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         "planner shapes (request-steps): " + ", ".join(
             f"{k} {v}" for k, v in sorted(stats["shape_steps"].items(), key=lambda kv: -kv[1])[:6]),
         f"target forwards per step: {1 + stats['pass_requests'] / max(stats['decode_steps'], 1):.2f} "
-        f"(fused: 1, plus catch-up passes); tokens per forward {stats['tokens_per_forward']:.2f}",
+        f"(fused: 1, catch-ups included; separate: 2); tokens per forward {stats['tokens_per_forward']:.2f}",
         "identical to vanilla: "
         + ", ".join(f"{n} {s}/{t}" for n, (s, t) in per_set.items())
         + ("" if args.dtype == "float32" else
