@@ -255,7 +255,7 @@ class Planner:
         :meth:`plan` starts from every request off and moves a request only
         where a shape beats off with the others off. Here each shape's gain
         is bounded from above (the best acceptance, the longest draft) and
-        its cost from below (no draft under a tree, no catch-up pass), so
+        its cost from below (no draft under a tree), so
         False means the plan is all off: the proposer may skip the batch's
         per-request work (lookups, pool updates, planning) this step.
         """

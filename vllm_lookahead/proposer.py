@@ -3,7 +3,7 @@
 The vLLM-facing side only: it maps vLLM's runner and scheduler output onto
 the engine-agnostic code and back. Where things are:
 
-* which request runs what this step (modes, catch-up pass, quiet batches):
+* which request runs what this step (modes, catch-ups, quiet batches):
   :mod:`.step`, with the shapes chosen by :mod:`.planner`;
 * a request's window, pool, lookups, checked chains and accounting:
   :mod:`.drafting` (over :mod:`.state`);

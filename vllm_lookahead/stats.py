@@ -61,10 +61,11 @@ class LookaheadStats:
             accepted: how well the acceptance model is calibrated where it
             decides.
         fused_trees: request trees that rode in vLLM's forward (fused).
-        pass_requests: request trees run in an extra forward (separate mode,
-            or a fused-mode catch-up pass).
-        catch_up_requests: fused mode: requests that needed a catch-up pass
-            (their first step, or their last tree missed).
+        pass_requests: request trees run in an extra forward (separate mode
+            only: fused-mode catch-ups ride in the step).
+        catch_up_requests: fused mode: catch-up trees, a request without a
+            checked chain (its first step, a miss, a chain used up)
+            re-anchoring inside its step, with no extra forward.
         arm_steps: request-steps by how the request ran: "tree", "pool"
             (a draft without tree: the last tree's checked chain or the
             unchecked lookup) or "off" (no draft).
