@@ -190,7 +190,7 @@ class TreeAttentionImpl:
         r_n, t_max = len(m.starts), m.t_max
         kvh, d = lay.num_kv_heads, lay.head_size
         h = query.shape[1]
-        dt = _compute_dtype(kv_cache)
+        dt = kv_cache.dtype
         kb = torch.empty((r_n, kvh, p + t_max, d), dtype=dt, device=kv_cache.device)
         vb = torch.empty_like(kb)
         gather_pages(kv_cache, ids, lay, kb[:, :, :p], vb[:, :, :p])
@@ -212,19 +212,10 @@ class TreeAttentionImpl:
         out = batched_tree_attention(q, kb, vb, mask, self._inner.scale, self._softcap)
         out = out.transpose(1, 2)  # [R, T, H, D]
         if m.uniform:
-            output[s:e].view(r_n, t_max, h, d).copy_(out)  # (converts back)
+            output[s:e].view(r_n, t_max, h, d).copy_(out)
         else:
             output[rows] = out.reshape(r_n * t_max, h, d)[slots].to(output.dtype)
         return output
-
-
-def _compute_dtype(kv_cache: torch.Tensor) -> torch.dtype:
-    """The tree attention's dtype: the cache's on accelerators; float32 for
-    a 16-bit cache on the CPU, where torch's SDPA runs bfloat16 about 1.5x
-    slower than float32 (the gather's copy converts on the way)."""
-    if kv_cache.device.type == "cpu" and kv_cache.element_size() < 4:
-        return torch.float32
-    return kv_cache.dtype
 
 
 def unsupported_reason(impl) -> str | None:
