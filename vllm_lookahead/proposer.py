@@ -177,10 +177,8 @@ class LookaheadProposer:
             plans.append((req_id, plan))
         # A forward never grows past vLLM's token budget (its compiled
         # shapes end there): trees that would are dropped.
-        room = None
         if self.max_step_tokens:
             room = int(self.max_step_tokens) - int(input_ids.shape[0])
-        if room is not None:
             kept = []
             for row, p in zip(rows, plans):
                 size = len(row[1].tokens)

@@ -27,8 +27,8 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 
-from vllm_lookahead.kv_layout import PageLayout, UnsupportedLayout, gather_pages, probe_page_layout
-from vllm_lookahead.tree_attention import batched_tree_attention
+from vllm_lookahead.kv_layout import PageLayout, gather_pages, probe_page_layout
+from vllm_lookahead.tree_attention import batched_tree_attention, tree_attention_mask
 
 logger = init_logger("vllm." + __name__)  # under "vllm": vLLM configures that logger
 
@@ -133,13 +133,11 @@ class TreeAttnMetadata:
             allowed[:, 0, np.arange(t_max), p + np.arange(t_max)] = True
             for r, (n, t, m) in enumerate(zip(self.context_lens, self.sizes, self.masks)):
                 s = self.starts[r] - self.offset
-                a = allowed[r, 0, :t]
-                a[:, :n] = True
-                a[:, p : p + t] = m
-                if window is not None and window > 0:
-                    pos = self.positions[s : s + t]
-                    key_pos = np.concatenate([np.arange(p), pos, np.full(t_max - t, -1)])
-                    a &= key_pos[None, :] > pos[:, None] - window
+                own = tree_attention_mask(torch.from_numpy(m), n,
+                                          torch.from_numpy(self.positions[s : s + t]),
+                                          window).numpy()  # [t, n + t]
+                allowed[r, 0, :t, :n] = own[:, :n]
+                allowed[r, 0, :t, p : p + t] = own[:, n:]
             mask = torch.zeros(allowed.shape, dtype=dtype)
             mask.masked_fill_(torch.from_numpy(~allowed), float("-inf"))
             hit = self._memo[key] = mask.to(self.device)
@@ -304,8 +302,8 @@ class LookaheadWorker:
                                 impl.do_kv_cache_update(layer, k, v, cache, slots)
                             ),
                         )
-                    except (UnsupportedLayout, NotImplementedError, RuntimeError,
-                            TypeError, AssertionError) as e:
+                    except (RuntimeError, TypeError, AssertionError) as e:
+                        # UnsupportedLayout, or the writer refusing the page
                         why = f"its KV cache layout ({e})"
             if why is not None:
                 raise TreesUnsupported(
