@@ -31,6 +31,7 @@ RANGES = {
     "seed": (0, 2**63 - 1),
     "max_tree_tokens": (0, 1 << 20),
     "disable_batch_size": (0, 1 << 20),
+    "memory_tokens": (256, 1 << 26),
 }
 
 
@@ -49,8 +50,9 @@ def test_defaults_valid():
     assert cfg.mode == "fused"
     assert cfg.adaptive is True
     assert cfg.cost_model == "auto"
+    assert cfg.shared_memory is True and cfg.memory_tokens == 131072
     assert set(cfg.field_names()) == set(RANGES) | {"prompt_pool", "mode", "adaptive",
-                                                    "cost_model"}
+                                                    "cost_model", "shared_memory"}
     assert LookaheadConfig.from_dict(cfg.to_dict()) == cfg
 
 

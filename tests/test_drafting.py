@@ -21,7 +21,13 @@ from vllm_lookahead.drafting import (
     new_state,
     unchecked_draft,
 )
-from vllm_lookahead.state import SOURCE_MODEL, SOURCE_PROMPT, SOURCE_WINDOW, JacobiWindow
+from vllm_lookahead.state import (
+    SOURCE_MEMORY,
+    SOURCE_MODEL,
+    SOURCE_PROMPT,
+    SOURCE_WINDOW,
+    JacobiWindow,
+)
 from vllm_lookahead.stats import LookaheadStats
 from vllm_lookahead.step import StepDrafter
 from vllm_lookahead.trees import PlannedTree, TreeAsk, plan_trees
@@ -259,7 +265,8 @@ def test_account_counts_accepted_by_source_and_caps_at_max_tokens():
     # before, so only 2 of the 3 count (max_tokens 4)
     account(s, st, [10, 11, 12], num_tokens=5 + 2 + 3)
     assert st.decode_steps == 1 and st.generated_tokens == 2 and st.accepted_tokens == 2
-    assert st.accepted_by_source == {SOURCE_WINDOW: 1, SOURCE_PROMPT: 1, SOURCE_MODEL: 0}
+    assert st.accepted_by_source == {SOURCE_WINDOW: 1, SOURCE_PROMPT: 1, SOURCE_MEMORY: 0,
+                                     SOURCE_MODEL: 0}
     assert s.draft_sources == [] and s.lookup == [] and not s.draft_checked
     # no cap: every sampled token counts; nothing drafted, nothing accepted
     s.max_tokens = None

@@ -246,11 +246,13 @@ def prompt(smollm2_path):
     return token_prompts([ids])[0]
 
 
-def _sample(llm, prompt, n: int, seed0: int, **sampling) -> list[tuple[int, ...]]:
+def _sample(llm, prompt, n: int, seed0: int | None, **sampling) -> list[tuple[int, ...]]:
     from vllm import SamplingParams
 
     params = [
-        SamplingParams(max_tokens=MAX_TOKENS, seed=seed0 + i, **sampling) for i in range(n)
+        SamplingParams(max_tokens=MAX_TOKENS, seed=None if seed0 is None else seed0 + i,
+                       **sampling)
+        for i in range(n)
     ]
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
     return [tuple(o.outputs[0].token_ids) for o in outs]
@@ -277,6 +279,7 @@ def vanilla_samples(smollm2_path, prompt):
 @pytest.fixture(scope="module")
 def lookahead_run(smollm2_path, prompt):
     keys = ("drafts", "draft_tokens", "accepted_tokens", "decode_steps")
+    memory_keys = ("memory",)
     samples, delta = {}, {}
     with engine(smollm2_path, LOOKAHEAD, max_num_seqs=MAX_NUM_SEQS) as llm:
         if rejection_expand_is_broken():
@@ -293,7 +296,21 @@ def lookahead_run(smollm2_path, prompt):
             flush(llm)
             after = proposer(llm).get_stats()
             delta[name] = {k: after[k] - before[k] for k in keys}
+        # Unseeded requests read the shared memory (seeded ones never do):
+        # n samples of one prompt draft from each other's text.
+        flush(llm)
+        before = proposer(llm).get_stats()
+        samples[UNSEEDED] = _sample(llm, prompt, N_LOOKAHEAD, None, temperature=1.0)
+        flush(llm)
+        after = proposer(llm).get_stats()
+        delta[UNSEEDED] = {k: after[k] - before[k] for k in keys}
+        delta[UNSEEDED].update({f"accepted_{k}": after["accepted_by_source"][k]
+                                - before["accepted_by_source"][k] for k in memory_keys})
     return {"samples": samples, "stats": after, "delta": delta}
+
+
+#: Lookahead samples without seeds (temperature 1.0), against vanilla's "t1".
+UNSEEDED = "t1-unseeded-memory"
 
 
 def _describe(samples_a, samples_b, pvalues) -> str:
@@ -316,9 +333,10 @@ def test_control_temperature_0_7_is_rejected(vanilla_samples):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", [*VARIANTS, UNSEEDED])
 def test_lookahead_sampling_matches_vanilla(lookahead_run, vanilla_samples, variant):
-    la, va = lookahead_run["samples"][variant], vanilla_samples[variant]
+    la = lookahead_run["samples"][variant]
+    va = vanilla_samples["t1" if variant == UNSEEDED else variant]
     assert len(la) == N_LOOKAHEAD and all(len(s) >= 1 for s in la)
     pvalues = position_pvalues(la, va, MAX_TOKENS)
     assert bonferroni(pvalues) > ALPHA, _describe(la, va, pvalues)
@@ -338,6 +356,16 @@ def test_lookahead_accepts_drafts_while_sampling(lookahead_run, variant):
     assert d["drafts"] > 0 and d["draft_tokens"] > 0, d
     assert d["accepted_tokens"] >= 8, d
     assert d["accepted_tokens"] > 0.05 * d["draft_tokens"], d
+    assert d["draft_tokens"] - d["accepted_tokens"] >= 8, d  # rejections too
+
+
+@pytest.mark.e2e
+def test_unseeded_samples_draft_from_each_other(lookahead_run):
+    """The unseeded arm above drafted from the shared memory (the other
+    samples' text), and some of it was accepted: the distribution test ran
+    with memory drafts in it."""
+    d = lookahead_run["delta"][UNSEEDED]
+    assert d["accepted_memory"] > 0, d
     assert d["draft_tokens"] - d["accepted_tokens"] >= 8, d  # rejections too
 
 

@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 
 
 #: Kinds of unchecked lookup, learnt apart: the continuation of a 4-, 3- or
-#: 2-token suffix seen earlier in the text, or the pool's guess for the
-#: newest token alone.
-LOOKUP_KINDS = ("suffix4", "suffix3", "suffix2", "pool")
+#: 2-token suffix seen earlier in the text, of a 12-, 6- or 3-token suffix
+#: in the engine's shared memory (other requests' text, :mod:`.memory`), or
+#: the pool's guess for the newest token alone.
+LOOKUP_KINDS = ("suffix4", "suffix3", "suffix2", "memory12", "memory6", "memory3", "pool")
 
 
 def geometric_gain(p: float, k: int) -> float:
@@ -107,6 +108,7 @@ class AcceptancePrior:
             p = 0.5 if self.p_unchecked is None else float(self.p_unchecked)
             # a longer matched suffix predicts its continuation better
             self.p_unchecked = {"suffix4": p, "suffix3": p * 0.9, "suffix2": p * 0.8,
+                                "memory12": p, "memory6": p * 0.9, "memory3": p * 0.7,
                                 "pool": p * 0.6}
         if not self.tree_cands:
             # Before any tree ran: LADE's figures (about one confirmed token

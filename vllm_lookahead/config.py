@@ -71,6 +71,16 @@ class LookaheadConfig:
             seconds, when there is none), ``"measure"`` (at every start),
             ``"off"`` (an assumed curve, corrected from the steps seen), or
             the path of a JSON curve file (see :mod:`.cost_model`).
+        shared_memory: keep a memory of the engine's requests' text
+            (:mod:`.memory`) and draft from it where a request's own text
+            has no match: n samples of one prompt, repeated questions and
+            templated work repeat across requests. Requests only draft
+            from text of their own ``cache_salt``; seeded sampled requests
+            never draft from it (their tokens must not depend on what ran
+            before them). A request can opt out (``extra_args``).
+        memory_tokens: the memory's capacity in tokens (all requests'
+            text; the oldest request's text is evicted first). The default,
+            131072, holds a 128k-token mix in about 6 MB. Range 256..2^26.
 
     The defaults (N, W, G) = (4, 3, 3) are the fastest measured on a 2-core
     CPU (bfloat16, SmolLM2-135M, HumanEval and MT-Bench): there every query
@@ -87,6 +97,8 @@ class LookaheadConfig:
     disable_batch_size: int | None = None
     adaptive: bool = True
     cost_model: str = "auto"
+    shared_memory: bool = True
+    memory_tokens: int = 131072
 
     _RANGES = {
         "ngram_size": (2, 16),
@@ -95,6 +107,7 @@ class LookaheadConfig:
         "seed": (0, 2**63 - 1),
         "max_tree_tokens": (0, 1 << 20),
         "disable_batch_size": (0, 1 << 20),
+        "memory_tokens": (256, 1 << 26),
     }
     _CHOICES = {"mode": ("fused", "separate")}
     #: ``cost_model`` keywords; any other value is a file path.
@@ -197,6 +210,8 @@ class RequestSettings:
     ngram_size: int = 4
     window_size: int = 3
     guess_set_size: int = 3
+    #: reads and feeds the engine's shared memory (``LookaheadConfig.shared_memory``)
+    shared_memory: bool = True
 
 
 def request_settings(extra_args: dict[str, Any] | None, engine: LookaheadConfig) -> RequestSettings:
@@ -208,6 +223,11 @@ def request_settings(extra_args: dict[str, Any] | None, engine: LookaheadConfig)
         extra_args={"lookahead": {"enabled": False}}
         extra_args={"lookahead": {"ngram_size": 3, "window_size": 2, "guess_set_size": 2}}
         extra_args={"lookahead_window_size": 2}          # flat form (vllm_xargs)
+        extra_args={"lookahead": {"shared_memory": False}}  # keep out of the shared memory
+
+    ``shared_memory: false`` keeps the request out of the engine's shared
+    memory: it neither drafts from other requests' text nor leaves its own
+    there. (``true`` where the engine's memory is off changes nothing.)
 
     A request may lower N (down to 2), W (down to 0) and G (down to 1) below
     the engine's values, never raise them.
@@ -221,6 +241,7 @@ def request_settings(extra_args: dict[str, Any] | None, engine: LookaheadConfig)
         "ngram_size": engine.ngram_size,
         "window_size": engine.window_size,
         "guess_set_size": engine.guess_set_size,
+        "shared_memory": engine.shared_memory,
     }
     if not extra_args:
         return RequestSettings(**base)
@@ -233,30 +254,23 @@ def request_settings(extra_args: dict[str, Any] | None, engine: LookaheadConfig)
     elif nested is not None:
         raise LookaheadConfigError(
             f"extra_args['{REQUEST_KEY}'] must be true/false or a dict of "
-            f"{['enabled', *REQUEST_FIELDS]}, got {nested!r}"
+            f"{['enabled', *REQUEST_FIELDS, 'shared_memory']}, got {nested!r}"
         )
     prefix = REQUEST_KEY + "_"
     for key, value in extra_args.items():
         if isinstance(key, str) and key.startswith(prefix):
             given[key[len(prefix):]] = value
-    allowed = ["enabled", *REQUEST_FIELDS]
+    allowed = ["enabled", *REQUEST_FIELDS, "shared_memory"]
     unknown = sorted(set(given) - set(allowed))
     if unknown:
         raise LookaheadConfigError(
             f"unknown per-request lookahead setting(s) {unknown} in extra_args; "
             f"allowed: {allowed}"
         )
-    enabled = given.pop("enabled", True)
-    # vllm_xargs (the server's way in) carries str | int | float only: a JSON
-    # false arrives as 0, "false" stays a string.
-    if type(enabled) is int and enabled in (0, 1):  # not a bool: type() is exact
-        enabled = bool(enabled)
-    elif isinstance(enabled, str) and enabled.lower() in ("true", "false"):
-        enabled = enabled.lower() == "true"
-    if not isinstance(enabled, bool):
-        raise LookaheadConfigError(
-            f"extra_args['{REQUEST_KEY}']['enabled'] must be true/false, got {enabled!r}"
-        )
+    enabled = _flag(given.pop("enabled", True), "enabled")
+    if "shared_memory" in given:
+        memory = _flag(given.pop("shared_memory"), "shared_memory")
+        base["shared_memory"] = base["shared_memory"] and memory
     lows = {"ngram_size": 2, "window_size": 0, "guess_set_size": 1}
     for name, value in given.items():
         hi = base[name]
@@ -275,3 +289,18 @@ def request_settings(extra_args: dict[str, Any] | None, engine: LookaheadConfig)
             "prompt_pool, which is off: nothing would ever be drafted"
         )
     return RequestSettings(**base)
+
+
+def _flag(value, name: str) -> bool:
+    """A per-request boolean. vllm_xargs (the server's way in) carries
+    str | int | float only: a JSON false arrives as 0, "false" stays a
+    string."""
+    if type(value) is int and value in (0, 1):  # not a bool: type() is exact
+        value = bool(value)
+    elif isinstance(value, str) and value.lower() in ("true", "false"):
+        value = value.lower() == "true"
+    if not isinstance(value, bool):
+        raise LookaheadConfigError(
+            f"extra_args['{REQUEST_KEY}']['{name}'] must be true/false, got {value!r}"
+        )
+    return value

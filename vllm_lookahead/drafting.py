@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_lookahead.acceptance import RequestAcceptance
+from vllm_lookahead.acceptance import AcceptancePrior, RequestAcceptance
 from vllm_lookahead.attn_mask import TreeLayout
 from vllm_lookahead.state import (
+    SOURCE_MEMORY,
     SOURCE_MODEL,
     SOURCE_PROMPT,
     SOURCE_WINDOW,
@@ -53,7 +54,9 @@ def new_state(settings, tokens: np.ndarray, n_tok: int, num_prompt_tokens: int,
         num_prompt_tokens: its prompt length (the window is initialised
             from the prompt's tokens, at least one).
         max_tokens: its output cap (``SamplingParams.max_tokens``), if any.
-        seeded: a sampled request with its own seed (planned from its text).
+        seeded: a sampled request with its own seed (planned from its text:
+            its acceptance starts from a fresh prior of its own, not the
+            engine's, which other requests move).
         seed: the engine's base seed (``LookaheadConfig.seed``).
         prior: the engine's :class:`~vllm_lookahead.acceptance.AcceptancePrior`.
     """
@@ -67,7 +70,8 @@ def new_state(settings, tokens: np.ndarray, n_tok: int, num_prompt_tokens: int,
         num_prompt_tokens=num_prompt_tokens,
         max_tokens=max_tokens,
         settings=settings,
-        acc=RequestAcceptance(prior),
+        acc=RequestAcceptance(AcceptancePrior(max_cands=settings.guess_set_size)
+                              if seeded else prior),
         seeded=seeded,
     )
 
@@ -105,19 +109,26 @@ def account(state: RequestState, stats, sampled: list[int], num_tokens: int) -> 
 
 
 def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
-           prompt_pool: bool) -> list[int]:
+           prompt_pool: bool, memory=None) -> list[int]:
     """The unchecked draft of the request's text now (at most ``room``
     tokens, or N when there is no room, to keep learning its acceptance):
     the continuation of the text's longest earlier-seen suffix (2-4 tokens,
-    ``prompt_pool`` on), else the pool's most often seen (then newest)
-    continuation of the newest token. ``tokens``: int [>= n_tok] the
-    request's tokens. Sets ``state.lookup_sources`` and
-    ``state.lookup_kind``."""
+    ``prompt_pool`` on), unless the engine's shared ``memory``
+    (:class:`~vllm_lookahead.memory.SharedMemory`) matches a longer one in
+    other requests' text (12, 6 or 3 tokens: its own text wins ties); else
+    the pool's most often seen (then newest) continuation of the newest
+    token. ``tokens``: int [>= n_tok] the request's tokens. Sets
+    ``state.lookup_sources`` and ``state.lookup_kind``."""
     k = room if room > 0 else state.settings.ngram_size
+    k = min(k, state.settings.ngram_size)
     draft, source, matched = [], SOURCE_PROMPT, 0
     if prompt_pool:
-        draft, matched = suffix_match(tokens, n_tok, min(k, state.settings.ngram_size))
+        draft, matched = suffix_match(tokens, n_tok, k)
     state.lookup_kind = f"suffix{matched}" if draft else "pool"
+    if memory is not None and state.memory_reads:
+        mem, m = memory.lookup(state.memory_scope, state.memory_doc, tokens, n_tok, k)
+        if mem and m > matched:
+            draft, source, state.lookup_kind = mem, SOURCE_MEMORY, f"memory{m}"
     if not draft:
         cands = state.pool.get(int(tokens[n_tok - 1]))[: state.settings.guess_set_size]
         best = choose_candidate([0] * len(cands), [c for _, c, _ in cands])
@@ -138,19 +149,26 @@ def unchecked_draft(state: RequestState, k: int, stats) -> list[int]:
     return draft
 
 
-def candidates(state: RequestState, text: np.ndarray, prompt_pool: bool) -> list:
+def candidates(state: RequestState, text: np.ndarray, prompt_pool: bool,
+               memory=None) -> list:
     """The candidates a tree rooted at ``text[-1]`` checks, as
     ``(continuation, count, source)`` (continuations N-1 tokens): the
     pool's for that token (newest first, at most G), led by the
     continuation of the text's longest earlier-seen 2-4 token suffix when
-    ``prompt_pool`` is on and it is new (then at most G in all).
+    ``prompt_pool`` is on and it is new, and before it the shared
+    ``memory``'s continuation when new (then at most G in all).
     ``text``: int [n] the request's text up to and with the root."""
     g, n = state.settings.guess_set_size, state.settings.ngram_size
     cands = state.pool.get(int(text[-1]))[:g]
+    lead = []
     if prompt_pool:
-        cont = tuple(suffix_lookup(text, len(text), n - 1))
+        lead.append((tuple(suffix_lookup(text, len(text), n - 1)), SOURCE_PROMPT))
+    if memory is not None and state.memory_reads:
+        mem, _ = memory.lookup(state.memory_scope, state.memory_doc, text, len(text), n - 1)
+        lead.append((tuple(mem), SOURCE_MEMORY))
+    for cont, source in lead:
         if len(cont) == n - 1 and all(c != cont for c, _, _ in cands):
-            cands = [(cont, 1, SOURCE_PROMPT)] + cands[: g - 1]
+            cands = [(cont, 1, source)] + cands[: g - 1]
     return cands
 
 

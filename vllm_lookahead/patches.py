@@ -83,6 +83,14 @@ every other method untouched:
     in vLLM's own logits call (appended after its rows; vLLM gets its rows
     back), so the output layer's weights are read once per step. Any other
     call passes straight through.
+13. The shared memory (:mod:`vllm_lookahead.memory`):
+    ``InputProcessor.process_inputs`` writes every request's scope (a
+    digest of its ``cache_salt``; 0 without one) into its own copy of the
+    sampling parameters' ``extra_args`` (``memory.SCOPE_KEY``, overwriting
+    whatever the caller sent there), the only way the salt reaches the
+    workers; ``EngineCore.reset_prefix_cache``, when vLLM's reset succeeds,
+    clears the memory on every worker through ``collective_rpc`` of
+    ``WorkerBase.lookahead_clear_memory`` (a new method, as in 4).
 """
 
 from __future__ import annotations
@@ -109,6 +117,7 @@ def apply() -> None:
     _enable_ray_on_cpu()
     _patch_warm_up()
     _fix_cpu_seeded_rewind()
+    _patch_shared_memory()
     _APPLIED = True
 
 
@@ -294,6 +303,53 @@ def _patch_request_validation() -> None:
         return result
 
     InputProcessor._validate_params = _validate_params
+
+
+def _patch_shared_memory() -> None:
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from vllm_lookahead.config import ADDITIONAL_CONFIG_KEY
+    from vllm_lookahead.memory import SCOPE_KEY, scope_of
+
+    orig_process = InputProcessor.process_inputs
+
+    @functools.wraps(orig_process)
+    def process_inputs(self, *args, **kwargs):
+        request = orig_process(self, *args, **kwargs)
+        params = getattr(request, "sampling_params", None)
+        if (params is not None and ADDITIONAL_CONFIG_KEY
+                in (self.vllm_config.additional_config or {})):
+            # The request's own copy (vLLM clones the caller's parameters).
+            params.extra_args = {**(params.extra_args or {}),
+                                 SCOPE_KEY: scope_of(getattr(request, "cache_salt", None))}
+        return request
+
+    InputProcessor.process_inputs = process_inputs
+
+    orig_reset = EngineCore.reset_prefix_cache
+
+    @functools.wraps(orig_reset)
+    def reset_prefix_cache(self, *args, **kwargs):
+        ok = orig_reset(self, *args, **kwargs)
+        if ok and ADDITIONAL_CONFIG_KEY in (self.vllm_config.additional_config or {}):
+            self.model_executor.collective_rpc(CLEAR_MEMORY_METHOD)
+        return ok
+
+    EngineCore.reset_prefix_cache = reset_prefix_cache
+    setattr(WorkerBase, CLEAR_MEMORY_METHOD, _clear_memory)
+
+
+#: The worker method patch 13 adds (``collective_rpc`` name).
+CLEAR_MEMORY_METHOD = "lookahead_clear_memory"
+
+
+def _clear_memory(worker) -> bool:
+    """Runs inside a vLLM worker (``WorkerBase.lookahead_clear_memory``)."""
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    clear = getattr(drafter, "clear_memory", None)
+    return bool(clear()) if clear is not None else False
 
 
 def _validation_error(message: str) -> Exception:

@@ -247,6 +247,26 @@ class Planner:
             out.append(Shape("tree", d, w, g, nodes, 1 + gain, extra_1))
         return out
 
+    def steady_draft(self, acc: RequestAcceptance, kind: str, k_max: int) -> int:
+        """A seeded request's draft length (its tokens must be the same on
+        every run, so nothing timed while it runs may decide it): the k <=
+        ``k_max`` with the most expected tokens per second of a one-request
+        step, its acceptance ``acc`` learnt from its own text (``kind`` of
+        lookup), the seconds from the cost curve as the engine started (no
+        correction from the steps seen: :meth:`CostModel.plain`). A batch
+        shares a step's fixed cost, so a draft that pays alone pays in a
+        batch too. 0: no draft."""
+        plain = getattr(self.cost, "plain", None)
+        if plain is None:  # a bare cost curve (tests)
+            def plain(batch, tokens):
+                return self.cost.predict(batch, tokens, False)
+        best, best_rate = 0, 1.0 / max(plain(1, 1), 1e-12)
+        for k in range(1, k_max + 1):
+            rate = (1.0 + acc.unchecked_gain(k, kind)) / max(plain(1, 1 + k), 1e-12)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
     # -- the batch ---------------------------------------------------------------
     def any_pays(self, batch: int, best: BestCase) -> bool:
         """Whether :meth:`plan` could give any request of a ``batch``-request

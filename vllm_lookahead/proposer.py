@@ -34,6 +34,7 @@ from vllm_lookahead.config import (
     request_settings,
 )
 from vllm_lookahead.drafting import Live, account, harvest, new_state
+from vllm_lookahead.memory import SCOPE_KEY, SharedMemory
 from vllm_lookahead.planner import Planner
 from vllm_lookahead.state import RequestState
 from vllm_lookahead.stats import LookaheadStats
@@ -68,6 +69,10 @@ class LookaheadProposer:
         #: The step's drafts (engine-agnostic); holds the planner.
         self.step = StepDrafter(self.cfg, fused, self.max_model_len, self.stats, self.prior)
         self.disable_batch_size = self.step.disable_batch_size
+        #: The engine's memory of its requests' text (None: off).
+        self.memory = (SharedMemory(self.cfg.memory_tokens, delay=self.cfg.ngram_size)
+                       if self.cfg.shared_memory else None)
+        self.step.memory = self.memory
         self.worker = None  # LookaheadWorker, bound at warm-up or on the first step
         #: Why the lookahead branch cannot run here (None: it can).
         self.trees_unsupported: str | None = None
@@ -136,10 +141,10 @@ class LookaheadProposer:
         """Free finished/aborted requests; forget preempted ones that resume
         (they are rebuilt from their tokens on their next step)."""
         for req_id in scheduler_output.finished_req_ids:
-            self.states.pop(req_id, None)
+            self._forget(req_id)
         resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ())
         for req_id in resumed or ():
-            self.states.pop(req_id, None)
+            self._forget(req_id)
         self._scheduled = scheduler_output.num_scheduled_tokens
         self._clean = not scheduler_output.scheduled_new_reqs and not resumed
         # vLLM's per-batch-size draft length (num_speculative_tokens_per_batch_size).
@@ -236,6 +241,9 @@ class LookaheadProposer:
                 state = self._new_state(runner, req_id, token_ids[i], n_tok)
                 joined = True
             account(state, self.stats, sampled, n_tok)
+            if state.memory_doc is not None:
+                self.memory.extend(state.memory_doc, token_ids[i, state.memory_upto:n_tok])
+                state.memory_upto = n_tok
             state.plan = None
             if not state.settings.enabled:
                 continue
@@ -269,7 +277,19 @@ class LookaheadProposer:
         d["cost_model"] = self.planner.cost.snapshot() if self.planner is not None else None
         d["explored_trees"] = self.planner.explored if self.planner is not None else 0
         d["acceptance_prior"] = self.prior.snapshot()
+        mem = self.memory
+        d["shared_memory"] = None if mem is None else {
+            "documents": len(mem), "tokens": mem.tokens, "capacity_tokens": mem.capacity,
+            "bytes": mem.nbytes(), "evicted_documents": mem.evicted}
         return d
+
+    def clear_memory(self) -> bool:
+        """Forget the shared memory (vLLM's ``reset_prefix_cache``; patch
+        13). Requests running now add nothing more to it."""
+        if self.memory is None:
+            return False
+        self.memory.clear()
+        return True
 
     # -- internals -------------------------------------------------------------
     def _new_state(self, runner, req_id: str, tokens: np.ndarray, n_tok: int) -> RequestState:
@@ -283,10 +303,24 @@ class LookaheadProposer:
         except LookaheadConfigError as e:  # validated by the frontend; be safe
             logger.warning("Lookahead: request %s: %s; lookahead off for it", req_id, e)
             settings = RequestSettings(enabled=False)
+        seeded = _seeded_sampling(params)
         state = new_state(settings, tokens, n_tok, n_prompt, getattr(params, "max_tokens", None),
-                          _seeded_sampling(params), self.cfg.seed, self.prior)
+                          seeded, self.cfg.seed, self.prior)
+        if self.memory is not None and settings.enabled and settings.shared_memory:
+            extra = getattr(params, "extra_args", None) or {}
+            state.memory_scope = int(extra.get(SCOPE_KEY, 0) or 0)
+            state.memory_doc = self.memory.open(state.memory_scope, tokens[:min(n_prompt, n_tok)])
+            state.memory_upto = min(n_prompt, n_tok)
+            # A seeded request's draft must not depend on what ran before.
+            state.memory_reads = not seeded
         self.states[req_id] = state
         return state
+
+    def _forget(self, req_id: str) -> None:
+        """A request finished, was aborted or resumes after preemption."""
+        state = self.states.pop(req_id, None)
+        if state is not None and state.memory_doc is not None:
+            self.memory.close(state.memory_doc)
 
     def _run_trees(self, rows: list[tuple[int, PlannedTree]]) -> list[np.ndarray]:
         """A separate tree-masked forward over ``(batch row, tree)`` pairs:

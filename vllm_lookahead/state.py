@@ -15,10 +15,11 @@ import numpy as np
 #: Where an n-gram in the pool came from.
 SOURCE_WINDOW = "window"  # harvested from the Jacobi window
 SOURCE_PROMPT = "prompt"  # an n-gram of the prompt or of the accepted text
+SOURCE_MEMORY = "memory"  # other requests' text (the engine's shared memory)
 #: Draft token that is the target's own next-token prediction from the
 #: lookahead pass (not an n-gram token).
 SOURCE_MODEL = "model"
-SOURCES = (SOURCE_WINDOW, SOURCE_PROMPT, SOURCE_MODEL)
+SOURCES = (SOURCE_WINDOW, SOURCE_PROMPT, SOURCE_MEMORY, SOURCE_MODEL)
 
 
 class NGramPool:
@@ -184,6 +185,14 @@ class RequestState:
     acc: object = None
     #: A sampled request with a seed: planned from its text alone.
     seeded: bool = False
+    #: Its document in the engine's shared memory (None: not in it) and
+    #: whether it drafts from the memory (not a seeded request's).
+    memory_doc: int | None = None
+    memory_reads: bool = False
+    #: Its scope there (``memory.scope_of(cache_salt)``) and how many of its
+    #: tokens the memory has.
+    memory_scope: int = 0
+    memory_upto: int = 0
 
     def add_context_ngrams(self, tokens: np.ndarray, n: int, upto: int) -> None:
         """Add every n-gram of ``tokens[:upto]`` not added yet (prompt pool)."""

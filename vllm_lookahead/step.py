@@ -82,6 +82,9 @@ class StepDrafter:
         #: cannot serve the lookahead branch: prompt-lookup drafts only).
         self.trees = True
         self.quiet = QuietBatches(stats, prior)
+        #: The engine's shared memory (:class:`~vllm_lookahead.memory.
+        #: SharedMemory`; None: ``shared_memory`` off).
+        self.memory = None
 
     def run(self, live: list[Live], num_rows: int, num_decoding: int, spec_k: int,
             joined: bool, token_ids: np.ndarray, run_trees) -> tuple[list, tuple | None]:
@@ -148,9 +151,11 @@ class StepDrafter:
         fixed = self.planner is None  # adaptive off: the full tree every step
         views = []
         for r in live:
-            r.state.lookup = lookup(r.state, token_ids[r.i], r.n_tok, r.room, self.cfg.prompt_pool)
+            r.state.lookup = lookup(r.state, token_ids[r.i], r.n_tok, r.room,
+                                    self.cfg.prompt_pool, self.memory)
             if not fixed:
-                views.append(_request_view(r, token_ids, self.cfg.prompt_pool, self.trees))
+                views.append(_request_view(r, token_ids, self.cfg.prompt_pool, self.trees,
+                                           self.planner))
         planned = None
         if fixed and self.trees:
             shapes = [Shape("tree", window=r.state.settings.window_size,
@@ -224,7 +229,7 @@ class StepDrafter:
                 expect, root, root_pos, catch_up = [], int(text[-1]), r.n_tok - 1, True
             asks.append(TreeAsk(
                 ngram_size=state.settings.ngram_size, window=w,
-                cands=candidates(state, text, self.cfg.prompt_pool)[:g],
+                cands=candidates(state, text, self.cfg.prompt_pool, self.memory)[:g],
                 root=root, root_pos=root_pos, levels=state.window.levels,
                 expect=expect, catch_up=catch_up))
             rows.append(r)
@@ -249,7 +254,7 @@ class StepDrafter:
             text = token_ids[r.i, : r.n_tok]
             asks.append(TreeAsk(
                 ngram_size=r.state.settings.ngram_size, window=w,
-                cands=candidates(r.state, text, self.cfg.prompt_pool)[:g],
+                cands=candidates(r.state, text, self.cfg.prompt_pool, self.memory)[:g],
                 root=int(text[-1]), root_pos=r.n_tok - 1, levels=r.state.window.levels))
         planned, use_window = plan_trees(asks, self.cfg.max_tree_tokens, self.max_model_len)
         work = []
@@ -365,9 +370,10 @@ class QuietBatches:
 
 
 def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
-                  trees_here: bool = True) -> RequestView:
+                  trees_here: bool = True, planner=None) -> RequestView:
     """A request as the planner sees it this step (its lookup done);
-    ``trees_here``: whether the engine can run trees at all."""
+    ``trees_here``: whether the engine can run trees at all; ``planner``
+    prices a seeded request's draft (:meth:`Planner.steady_draft`)."""
     state, s = r.state, r.state.settings
     trees = trees_here and not state.seeded
     g = 0
@@ -380,8 +386,12 @@ def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
     seeded_shape = None
     if state.seeded:
         # Nothing that decides a seeded request's draft may depend on
-        # timing: its text alone (prompt lookup), never a tree.
+        # timing: its own text (prompt lookup, never a tree or the shared
+        # memory), the acceptance learnt from it, and the cost curve the
+        # engine had before it started.
         k = min(len(state.lookup), r.room)
+        if planner is not None and k > 0:
+            k = planner.steady_draft(state.acc, state.lookup_kind, k)
         seeded_shape = Shape("draft", draft=k) if k > 0 else OFF
     return RequestView(
         acc=state.acc, ngram_size=s.ngram_size, window_size=s.window_size,

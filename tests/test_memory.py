@@ -1,0 +1,203 @@
+"""The shared memory (vllm_lookahead.memory) and its use in lookups: pure
+logic, no engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_lookahead.acceptance import LOOKUP_KINDS, AcceptancePrior
+from vllm_lookahead.config import LookaheadConfig, request_settings
+from vllm_lookahead.drafting import candidates, lookup, new_state
+from vllm_lookahead.memory import KEY_LENS, PROMPT_TAIL, SharedMemory, scope_of
+from vllm_lookahead.planner import Planner
+from vllm_lookahead.state import SOURCE_MEMORY
+
+
+def _toks(*xs):
+    return np.asarray(xs, dtype=np.int32)
+
+
+def _text(rng, n, vocab=5000):
+    return rng.integers(100, vocab, size=n).astype(np.int32)
+
+
+def test_finds_other_documents_text_after_a_long_key():
+    rng = np.random.default_rng(0)
+    mem = SharedMemory(4096, delay=4)
+    prompt, answer = _text(rng, 40), _text(rng, 30)
+    a = mem.open(0, prompt)
+    mem.extend(a, answer)
+    # Another request with the same prompt asks at the prompt's end.
+    b = mem.open(0, prompt)
+    cont, m = mem.lookup(0, b, prompt, len(prompt), 4)
+    assert m == KEY_LENS[0]
+    assert cont == answer[:4].tolist()
+    # Its own document is never the answer.
+    cont, m = mem.lookup(0, a, prompt, len(prompt), 4)
+    assert cont == [] and m == 0
+
+
+def test_running_text_is_indexed_delay_tokens_late_and_all_at_close():
+    rng = np.random.default_rng(1)
+    mem = SharedMemory(4096, delay=4)
+    prompt = _text(rng, 30)
+    answer = _text(rng, 10)
+    a = mem.open(0, prompt)
+    mem.extend(a, answer)
+    text = np.concatenate([prompt, answer])
+    # The key ending 2 tokens before the end has only 2 tokens after it:
+    # not indexed yet (a match must have `delay` tokens to draft).
+    asker = np.concatenate([_text(rng, 5), text[-14:-2]])
+    assert mem.lookup(0, None, asker, len(asker), 4) == ([], 0)
+    mem.close(a)
+    cont, m = mem.lookup(0, None, asker, len(asker), 4)
+    assert cont == text[-2:].tolist() and m == 12
+
+
+def test_scopes_never_see_each_other():
+    rng = np.random.default_rng(2)
+    mem = SharedMemory(4096)
+    prompt, answer = _text(rng, 30), _text(rng, 20)
+    s1, s2 = scope_of("tenant-1"), scope_of("tenant-2")
+    assert s1 != s2 and scope_of(None) == 0 and scope_of("tenant-1") == s1
+    a = mem.open(s1, prompt)
+    mem.extend(a, answer)
+    mem.close(a)
+    assert mem.lookup(s2, None, prompt, len(prompt), 4) == ([], 0)
+    assert mem.lookup(0, None, prompt, len(prompt), 4) == ([], 0)
+    assert mem.lookup(s1, None, prompt, len(prompt), 4)[0] == answer[:4].tolist()
+
+
+def test_bounded_oldest_evicted_first_and_no_growth():
+    rng = np.random.default_rng(3)
+    cap = 2048
+    mem = SharedMemory(cap, delay=4)
+    first = None
+    sizes = []
+    for r in range(1000):
+        doc = mem.open(0, _text(rng, 50))
+        for _ in range(8):
+            mem.extend(doc, _text(rng, 8))
+        mem.close(doc)
+        first = doc if first is None else first
+        assert mem.tokens <= cap
+        sizes.append(mem.nbytes())
+    assert mem.evicted > 900
+    # the first document is gone; the newest is there
+    assert first not in mem._docs and doc in mem._docs
+    assert max(sizes[100:]) <= max(sizes[:100]) * 1.05
+    # documents are bounded too (tiny documents)
+    mem2 = SharedMemory(256)
+    for _ in range(500):
+        mem2.open(0, _text(rng, 1))
+    assert len(mem2) <= 256 // 16
+
+
+def test_default_capacity_is_a_few_megabytes():
+    mem = SharedMemory(LookaheadConfig().memory_tokens, delay=4)
+    rng = np.random.default_rng(4)
+    while mem.tokens < mem.capacity - 2000:
+        doc = mem.open(0, _text(rng, 100))
+        mem.extend(doc, _text(rng, 900))
+    assert mem.nbytes() < 8 * 2**20
+
+
+def test_clear_forgets_everything():
+    rng = np.random.default_rng(5)
+    mem = SharedMemory(1024)
+    prompt = _text(rng, 20)
+    a = mem.open(0, prompt)
+    mem.extend(a, _text(rng, 20))
+    mem.close(a)
+    mem.clear()
+    assert len(mem) == 0 and mem.tokens == 0
+    assert mem.lookup(0, None, prompt, len(prompt), 4) == ([], 0)
+    mem.extend(a, _text(rng, 4))  # a cleared document takes nothing
+    assert mem.tokens == 0
+
+
+def test_prompt_tail_only():
+    rng = np.random.default_rng(6)
+    mem = SharedMemory(1024)
+    mem.open(0, _text(rng, 500))
+    assert mem.tokens == PROMPT_TAIL
+
+
+def _state(prior, seeded=False, reads=True, doc=None, scope=0):
+    s = new_state(request_settings(None, LookaheadConfig()), _toks(1, 2, 3), 3, 3, None,
+                  seeded, 0, prior)
+    s.memory_reads, s.memory_doc, s.memory_scope = reads, doc, scope
+    return s
+
+
+def test_lookup_prefers_own_text_on_ties_and_memory_when_longer():
+    rng = np.random.default_rng(7)
+    prior = AcceptancePrior(max_cands=3)
+    mem = SharedMemory(4096, delay=4)
+    prompt, answer = _text(rng, 30), _text(rng, 12)
+    a = mem.open(0, prompt)
+    mem.extend(a, answer)
+    mem.close(a)
+    state = _state(prior)
+    draft = lookup(state, prompt, len(prompt), 4, True, mem)
+    assert draft == answer[:4].tolist()
+    assert state.lookup_kind == "memory12"
+    assert state.lookup_sources == [SOURCE_MEMORY] * 4
+    # without the memory, or a request that does not read it: nothing
+    assert lookup(state, prompt, len(prompt), 4, True, None) == []
+    off = _state(prior, reads=False)
+    assert lookup(off, prompt, len(prompt), 4, True, mem) == []
+    # own text with a 4-token match beats a 3-token memory match
+    text = np.concatenate([_toks(7, 8, 9, 10, 11, 12), _text(rng, 5), _toks(8, 9, 10, 11)])
+    b = mem.open(0, _toks(40, 41, 9, 10, 11, 50, 51, 52, 53))
+    mem.close(b)
+    state2 = _state(prior)
+    assert lookup(state2, text, len(text), 4, True, mem)[0] == 12
+    assert state2.lookup_kind == "suffix4"
+    assert "memory12" in LOOKUP_KINDS and "memory3" in prior.p_unchecked
+
+
+def test_memory_candidate_leads_a_tree():
+    rng = np.random.default_rng(8)
+    prior = AcceptancePrior(max_cands=3)
+    mem = SharedMemory(4096, delay=4)
+    prompt, answer = _text(rng, 30), _text(rng, 12)
+    a = mem.open(0, prompt)
+    mem.extend(a, answer)
+    mem.close(a)
+    state = _state(prior)
+    cands = candidates(state, prompt, True, mem)
+    assert cands[0] == (tuple(answer[:3].tolist()), 1, SOURCE_MEMORY)
+
+
+def test_seeded_requests_learn_from_a_prior_of_their_own():
+    prior = AcceptancePrior(max_cands=3)
+    s = _state(prior, seeded=True)
+    assert s.acc.prior is not prior
+    assert _state(prior).acc.prior is prior
+
+
+class _Curve:
+    """seconds = fixed + per_token * tokens (a plain step)."""
+
+    def __init__(self, fixed, per_token):
+        self.fixed, self.per_token = fixed, per_token
+
+    def plain(self, batch, tokens):
+        return self.fixed + self.per_token * tokens
+
+    def predict(self, batch, tokens, tree=True, drafting=None):
+        raise AssertionError("a seeded draft must not read corrected predictions")
+
+
+@pytest.mark.parametrize("p,per_token,expect", [
+    (0.9, 0.01, 4),   # cheap tokens, good guesses: the whole draft
+    (0.2, 0.5, 0),    # dear tokens, poor guesses: none
+])
+def test_steady_draft_prices_a_seeded_draft_on_the_start_curve(p, per_token, expect):
+    prior = AcceptancePrior(max_cands=3)
+    s = _state(prior, seeded=True)
+    s.acc.unchecked["suffix4"].hits, s.acc.unchecked["suffix4"].misses = p * 100, (1 - p) * 100
+    planner = Planner(_Curve(1.0, per_token))
+    assert planner.steady_draft(s.acc, "suffix4", 4) == expect
