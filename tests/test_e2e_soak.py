@@ -12,8 +12,12 @@ Checked: every output equals vanilla vLLM's; the proposer never holds more
 request states than vLLM runs requests; after each wave no request state is
 left; and memory does not grow:
 
-- Python allocations made by this package's code during waves 2-10 and
-  still alive at the end (``tracemalloc``, started after wave 1) stay under
+- The shared memory (capacity :data:`MEMORY_TOKENS`, full from wave 2 on)
+  holds at most its capacity in tokens and ``capacity // 16`` documents
+  after every wave, and its bytes stay flat once full.
+
+- Python allocations made by this package's code (the shared memory's
+  text apart) during waves 2-10 and still alive at the end (``tracemalloc``, started after wave 1) stay under
   :data:`OURS_MARGIN_KB`. They measured 7 KB (a handful of small objects
   that vLLM's tensors keep alive); keeping only 100 bytes per request would
   be 90 KB.
@@ -42,7 +46,10 @@ MAX_NUM_SEQS = 8
 OURS_MARGIN_KB = 64
 #: Growth of resident memory from the end of wave 1 to the end of wave 10.
 RSS_MARGIN_MB = 512
-SPEC = {"method": "lookahead", "disable_batch_size": 0}
+#: The shared memory's capacity here: small, so the soak fills it in its
+#: second wave and runs eight more past its bound.
+MEMORY_TOKENS = 4096
+SPEC = {"method": "lookahead", "disable_batch_size": 0, "memory_tokens": MEMORY_TOKENS}
 
 
 def rss_mb() -> float:
@@ -73,10 +80,14 @@ def test_soak_1000_requests(smollm2_path):
 
     import vllm_lookahead
 
-    ours = [tracemalloc.Filter(True, os.path.join(os.path.dirname(vllm_lookahead.__file__), "*"))]
+    pkg = os.path.dirname(vllm_lookahead.__file__)
+    # The shared memory keeps text by design, up to its bound: held to it
+    # by its own figures below, not counted as kept here.
+    ours = [tracemalloc.Filter(True, os.path.join(pkg, "*")),
+            tracemalloc.Filter(False, os.path.join(pkg, "memory.py"))]
     with engine(smollm2_path, SPEC, max_num_seqs=MAX_NUM_SEQS) as la:
         eng, drafter = la.llm_engine, proposer(la)
-        rss, most, got = [], 0, {}
+        rss, most, got, mem = [], 0, {}, []
         for w in range(N_WAVES):
             if w == 1:
                 tracemalloc.start(1)
@@ -94,6 +105,9 @@ def test_soak_1000_requests(smollm2_path):
             stats = drafter.get_stats()
             assert stats["live_requests"] == 0 and stats["pool_ngrams"] == 0, stats
             rss.append(rss_mb())
+            mem.append(stats["shared_memory"])
+            assert mem[-1]["tokens"] <= MEMORY_TOKENS, mem[-1]
+            assert mem[-1]["documents"] <= MEMORY_TOKENS // 16, mem[-1]
         end = tracemalloc.take_snapshot().filter_traces(ours)
         tracemalloc.stop()
         stats = drafter.get_stats()
@@ -109,4 +123,9 @@ def test_soak_1000_requests(smollm2_path):
     print(f"\nsoak: RSS after each wave (MB) {[round(r) for r in rss]}; allocations kept by "
           f"vllm_lookahead over waves 2-10: {kept_kb:.1f} KB; arm steps {stats['arm_steps']}")
     assert kept_kb < OURS_MARGIN_KB, [str(d) for d in kept[:10]]
+    print(f"soak: shared memory after each wave (tokens, documents, KB) "
+          f"{[(m['tokens'], m['documents'], m['bytes'] // 1024) for m in mem]}")
+    assert mem[-1]["evicted_documents"] > 0, mem[-1]  # it ran past its bound
+    full = [m["bytes"] for m in mem[2:]]
+    assert max(full) <= 1.1 * min(full), full
     assert rss[-1] - rss[0] < RSS_MARGIN_MB, f"resident memory grew: {rss}"
