@@ -1,4 +1,5 @@
-"""Benchmark suite: vanilla vLLM vs vLLM's ngram vs lookahead decoding.
+"""Benchmark suite: vanilla vLLM vs vLLM's ngram and suffix decoding vs
+lookahead decoding.
 
 One command compares, in one run on one machine, the same models, dtypes,
 prompt sets and batch sizes across speculative methods, and writes a table,
@@ -7,6 +8,8 @@ a JSON file with every figure and a plot::
     bash scripts/bench.sh --models smollm2 qwen-coder --dtypes bfloat16 float32 \\
         --datasets humaneval mtbench --prompts 8 --batch-sizes 1 4 16 \\
         --methods vanilla ngram la:4,5,5 la:4,5,5,nopool la:4,5,5,separate la:5,7,7
+    bash scripts/bench.sh --datasets template --repeat 2 --temperature 0.8 --top-p 0.95 \
+        --n 2 --seed 0 --methods vanilla ngram suffix suffix:nomem la la:nomem
     python benchmarks/bench.py --from-json benchmarks/results/latest.json
 
 Each (model, dtype, method) engine runs in a fresh subprocess (this script
@@ -32,8 +35,13 @@ if _HERE not in sys.path:
 
 from child import child_main  # noqa: E402
 from engines import run_benchmark  # noqa: E402
-from methods import DEFAULT_METHODS, MethodSpecError, parse_methods  # noqa: E402
-from prompts import DATASETS, MODEL_NAMES  # noqa: E402
+from methods import (  # noqa: E402
+    DEFAULT_METHODS,
+    MethodSpecError,
+    parse_methods,
+    suffix_unavailable,
+)
+from prompts import DATASETS, DEFAULT_DATASETS, MODEL_NAMES  # noqa: E402
 from report import REPO, report  # noqa: E402
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "latest.json"
@@ -47,24 +55,45 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "latest.json"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench.py",
-        description="Vanilla vLLM vs ngram vs lookahead decoding, side by side.",
+        description="Vanilla vLLM vs ngram vs suffix vs lookahead decoding, side by side.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="method entries: vanilla | ngram[:K][,key=value...] | "
-               "la[:N[,W[,G]]][,nopool|pool|separate|fused][,key=value...]\n"
-               "e.g. --methods vanilla ngram la:4,5,5 la:4,5,5,nopool "
+               "suffix[:K][,nomem][,key=value...] | "
+               "la[:N[,W[,G]]][,nopool|pool|separate|fused|fixed|adaptive|mem|nomem]"
+               "[,key=value...]\n"
+               "e.g. --methods vanilla ngram suffix la:4,5,5 la:4,5,5,nopool "
                "la:4,5,5,mode=separate la:5,7,7",
     )
     p.add_argument("--models", nargs="+", default=["smollm2"], choices=MODEL_NAMES,
                    help="smollm2 and/or qwen-coder (default: smollm2)")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16"],
                    choices=["bfloat16", "float32"])
-    p.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS)
+    p.add_argument("--datasets", nargs="+", default=list(DEFAULT_DATASETS), choices=DATASETS,
+                   help="humaneval, mtbench, template (one JSON-labelling instruction over "
+                        "HumanEval and MT-Bench inputs) (default: humaneval mtbench)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per dataset (default 8)")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4],
                    help="requests submitted together (default: 1 4)")
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
                    help=f"default: {' '.join(DEFAULT_METHODS)}")
-    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (greedy)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per sample")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default 0.0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0)")
+    p.add_argument("--n", type=int, default=1,
+                   help="samples per prompt (vLLM's SamplingParams.n; > 1 needs "
+                        "--temperature > 0); tok/s counts every sample's tokens (default 1)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seeded sampling: prompt i of a set gets seed BASE + n*i (its n "
+                        "samples seed+0..n-1, same in every pass and engine) "
+                        "(default: unseeded)")
+    p.add_argument("--repeat", type=int, default=1, metavar="R",
+                   help="run each set R times in a row within the section (the same "
+                        "prompts again later in the run); the table adds pass 1 and "
+                        "passes 2..R apart (default 1)")
+    p.add_argument("--structured", action="store_true",
+                   help="hold the template set's outputs to its JSON schema (vLLM "
+                        "structured outputs); needs --datasets template")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-mib", type=int, default=512, help="KV cache per engine (MiB)")
     p.add_argument("--compile", action="store_true",
@@ -92,6 +121,42 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_sampling_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with --temperature/--top-p/--n/--seed/--repeat/
+    --structured, or None."""
+    if not args.temperature >= 0:
+        return "--temperature must be >= 0"
+    if not 0 < args.top_p <= 1:
+        return "--top-p must be in (0, 1]"
+    if args.n < 1:
+        return "--n must be >= 1"
+    if args.n > 1 and args.temperature == 0:
+        return "--n > 1 needs --temperature > 0 (vLLM: greedy sampling has n = 1)"
+    if args.seed is not None and args.seed < 0:
+        return "--seed must be >= 0"
+    if args.repeat < 1:
+        return "--repeat must be >= 1"
+    if args.structured and "template" not in args.datasets:
+        return "--structured holds the template set to its JSON schema: add --datasets template"
+    return None
+
+
+def drop_unavailable_suffix(methods: list, reason=suffix_unavailable) -> list:
+    """The methods without the ``suffix`` entries when vLLM's suffix
+    decoding cannot load here (``arctic_inference.suffix_decoding`` missing:
+    ``bash scripts/setup_suffix.sh``), saying so in one line."""
+    wanted = [m for m in methods if m.kind == "suffix"]
+    if not wanted:
+        return methods
+    why = reason()
+    if why is None:
+        return methods
+    print(f"skipping {' '.join(m.label for m in wanted)}: vLLM's suffix decoding needs "
+          f"arctic_inference.suffix_decoding ({why}); run bash scripts/setup_suffix.sh",
+          file=sys.stderr)
+    return [m for m in methods if m.kind != "suffix"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -112,6 +177,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     if args.prompts < 1:
         parser.error("--prompts must be >= 1")
+    problem = check_sampling_args(args)
+    if problem:
+        parser.error(problem)
+    methods = drop_unavailable_suffix(methods)
+    if not methods:
+        parser.error("no method left to run")
     if any(b < 1 for b in args.batch_sizes):
         parser.error("--batch-sizes must be >= 1")
     if args.batch_sizes and max(args.batch_sizes) > args.prompts:

@@ -18,8 +18,8 @@ from typing import Any
 
 from vllm_lookahead.cost_model import machine_busy_s
 
-from figures import section_figures
-from prompts import _load_prompts
+from figures import combine_passes, section_figures
+from prompts import _load_prompts, _warmup_prompts
 from report import _fmt, _short_error, _write_json
 
 
@@ -40,11 +40,13 @@ def _metric_values(llm) -> dict[str, float]:
 def generate_queued(engine, prompts: list, params, running: int,
                     full: dict | None = None, hold=None,
                     turn_s: float | None = None) -> list[list[int]]:
-    """Greedy outputs of ``prompts`` fed through ``engine`` (vLLM's
-    ``LLMEngine``) from a queue, ``running`` requests at a time: a request
-    joins as soon as another finishes, as on a server under load (``--queue``;
+    """Outputs of ``prompts`` fed through ``engine`` (vLLM's ``LLMEngine``)
+    from a queue, ``running`` requests at a time: a request joins as soon as
+    another finishes, as on a server under load (``--queue``;
     ``LLM.generate`` of ``running`` prompts instead waits for the slowest).
-    Returns the token ids per prompt, in order.
+    ``params``: one ``SamplingParams`` for all, or a list, one per prompt.
+    Returns the token ids per sample, in the prompts' order (a prompt's
+    ``n`` samples in a row, by their index; one per prompt with n = 1).
 
     ``full``: adds up ``tokens``, ``seconds`` and ``steps`` of the engine
     steps that ran with the batch full (``running`` requests), leaving out
@@ -59,8 +61,9 @@ def generate_queued(engine, prompts: list, params, running: int,
     turns through their queues.
     """
     index: dict[str, int] = {}
-    outputs: list[list[int] | None] = [None] * len(prompts)
-    seen: dict[str, int] = {}
+    outputs: list[list[list[int]] | None] = [None] * len(prompts)
+    seen: dict[tuple[str, int], int] = {}
+    latest: dict[str, dict[int, list[int]]] = {}
     queue = list(range(len(prompts)))[::-1]
     live = 0
     with contextlib.ExitStack() as held:
@@ -80,7 +83,8 @@ def generate_queued(engine, prompts: list, params, running: int,
                 i = queue.pop()
                 given = f"bench-queue-{next(_QUEUE_IDS)}"
                 index[given] = i
-                index[engine.add_request(given, prompts[i], params)] = i
+                p = params[i] if isinstance(params, list) else params
+                index[engine.add_request(given, prompts[i], p)] = i
                 live += 1
             was_full = live == running
             t0 = time.perf_counter()
@@ -88,17 +92,70 @@ def generate_queued(engine, prompts: list, params, running: int,
             took = time.perf_counter() - t0
             new = 0
             for out in step:
-                n = len(out.outputs[0].token_ids)
-                new += n - seen.get(out.request_id, 0)
-                seen[out.request_id] = n
+                # cumulative outputs; with n > 1 each carries the samples
+                # (by index) that moved this step
+                mine = latest.setdefault(out.request_id, {})
+                for completion in out.outputs:
+                    k = getattr(completion, "index", 0)
+                    n = len(completion.token_ids)
+                    new += n - seen.get((out.request_id, k), 0)
+                    seen[(out.request_id, k)] = n
+                    mine[k] = list(completion.token_ids)
                 if out.finished:
-                    outputs[index[out.request_id]] = list(out.outputs[0].token_ids)
+                    outputs[index[out.request_id]] = [mine[k] for k in sorted(mine)]
+                    del latest[out.request_id]
                     live -= 1
             if full is not None and was_full:
                 full["tokens"] = full.get("tokens", 0) + new
                 full["seconds"] = full.get("seconds", 0.0) + took
                 full["steps"] = full.get("steps", 0) + 1
-    return outputs  # type: ignore[return-value]
+    return [sample for samples in outputs for sample in samples]  # type: ignore[union-attr]
+
+
+def sampling_kwargs(cfg: dict[str, Any], prompt_index: int) -> dict[str, Any]:
+    """``SamplingParams`` keywords of the request for prompt ``prompt_index``
+    of a set: ``--temperature``, ``--top-p``, ``--n``, ``--max-tokens`` and,
+    with ``--seed``, seed = base + n * prompt index (vLLM gives a request's
+    n samples seed + 0..n-1, so no two samples of a set share a seed; a
+    prompt keeps its seed in every pass of ``--repeat`` and every engine).
+    Defaults: greedy, n = 1, unseeded."""
+    sampling = cfg.get("sampling") or {}
+    n = int(sampling.get("n", 1))
+    kwargs: dict[str, Any] = {"temperature": float(sampling.get("temperature", 0.0)),
+                              "max_tokens": cfg["max_tokens"]}
+    if kwargs["temperature"] > 0:
+        kwargs["top_p"] = float(sampling.get("top_p", 1.0))
+    if n != 1:
+        kwargs["n"] = n
+    if sampling.get("seed") is not None:
+        kwargs["seed"] = int(sampling["seed"]) + n * prompt_index
+    return kwargs
+
+
+def structured_for(cfg: dict[str, Any], dataset: str) -> dict | None:
+    """The JSON schema the set's outputs are held to (``--structured``:
+    the template set only), or None."""
+    if cfg.get("structured") and dataset == "template":
+        return cfg.get("structured_schema")
+    return None
+
+
+def make_params(cfg: dict[str, Any], dataset: str, count: int) -> list:
+    """One ``SamplingParams`` per prompt of the set (its own seed and its
+    own structured-output object: vLLM writes the backend it picks into
+    it)."""
+    from vllm import SamplingParams
+
+    schema = structured_for(cfg, dataset)
+    params = []
+    for i in range(count):
+        kwargs = sampling_kwargs(cfg, i)
+        if schema is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            kwargs["structured_outputs"] = StructuredOutputsParams(json=schema)
+        params.append(SamplingParams(**kwargs))
+    return params
 
 
 class Meter:
@@ -267,11 +324,25 @@ def child_main(config_path: str, result_path: str) -> int:
                 disable_log_stats=False,
             )
             result["engine_start_s"] = time.perf_counter() - started
-            first = next((ps for ps in prompts.values() if ps), [])
-            if first:  # warm-up: one short generate, batched up to the largest batch
+            longest = max((len(ps) for ps in prompts.values()), default=0)
+            if longest:
+                # warm-up: one short generate, batched up to the largest
+                # batch, of prompts outside every set (a method that
+                # remembers across requests learns nothing of a set
+                # before it is timed); with --structured once more under
+                # the schema (its grammar compiled before timing)
+                count = max(1, min(max(cfg["batch_sizes"]), longest))
                 warm = [TokensPrompt(prompt_token_ids=p)
-                        for p in first[: max(1, min(max(cfg["batch_sizes"]), len(first)))]]
+                        for p in _warmup_prompts(count, tokenizer)]
                 llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+                schema = structured_for(cfg, "template") if "template" in prompts else None
+                if schema is not None:
+                    from vllm.sampling_params import StructuredOutputsParams
+
+                    llm.generate(warm[:1], SamplingParams(
+                        temperature=0.0, max_tokens=8,
+                        structured_outputs=StructuredOutputsParams(json=schema)),
+                        use_tqdm=False)
 
         stats_fn = None
         if kind == "lookahead":
@@ -288,7 +359,7 @@ def child_main(config_path: str, result_path: str) -> int:
                 result.setdefault("warnings", []).append(f"lookahead stats: {exc!r}")
                 return None
 
-        params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"])
+        repeat = max(1, int(cfg.get("repeat", 1)))
         result["config_seen"] = None
         after_warm = la_stats()
         if after_warm is not None:
@@ -304,56 +375,79 @@ def child_main(config_path: str, result_path: str) -> int:
                                            "n_prompts": len(token_lists), "kind": kind,
                                            "queue": queued}
                 try:
-                    metrics_before, la_before = _metric_values(llm), la_stats()
-                    outputs: list[list[int]] = []
-                    bar = tqdm(total=len(token_lists), unit="prompt", leave=False,
+                    bar = tqdm(total=len(token_lists) * repeat, unit="prompt", leave=False,
                                desc=f"{cfg['label']} {ds} bs={bs}", file=sys.stderr,
                                dynamic_ncols=True, disable=turns is not None)
-                    meter = Meter()
-                    full: dict | None = {} if queued else None
-                    # --queue: the whole set through one queue, in turns of
-                    # QUEUE_TURN_S; else a turn per batch of bs prompts
-                    chunk = len(token_lists) if queued else bs
-                    for i in range(0, len(token_lists), chunk):
-                        batch = [TokensPrompt(prompt_token_ids=p)
-                                 for p in token_lists[i:i + chunk]]
-                        if queued:
-                            outs = generate_queued(
-                                llm.llm_engine, batch, params, bs, full,
-                                hold=lambda: _turn(turns, meter),
-                                turn_s=QUEUE_TURN_S if turns is not None else None)
-                        else:
-                            with _turn(turns, meter):
-                                outs = [list(o.outputs[0].token_ids)
-                                        for o in llm.generate(batch, params, use_tqdm=False)]
-                        if turns is not None:
-                            with open(cfg["turn"]["dir"] + f"/progress.{turns.index}", "a") as f:
-                                f.write(f"{len(batch)}\n")
-                        outputs.extend(outs)
-                        bar.update(len(batch))
-                        if meter.elapsed > 0:
-                            bar.set_postfix_str(
-                                f"{sum(map(len, outputs)) / meter.elapsed:.1f} tok/s",
-                                refresh=False)
+                    passes: list[dict[str, Any]] = []
+                    done_tokens, done_s = 0, 0.0
+                    # --repeat: the set again, after the previous pass ends
+                    for _ in range(repeat):
+                        raw: dict[str, Any] = {"kind": kind}
+                        # fresh per pass: vLLM writes into a request's params
+                        params = make_params(cfg, ds, len(token_lists))
+                        metrics_before, la_before = _metric_values(llm), la_stats()
+                        outputs: list[list[int]] = []
+                        meter = Meter()
+                        full: dict | None = {} if queued else None
+                        # --queue: the whole set through one queue, in turns of
+                        # QUEUE_TURN_S; else a turn per batch of bs prompts
+                        chunk = len(token_lists) if queued else bs
+                        for i in range(0, len(token_lists), chunk):
+                            batch = [TokensPrompt(prompt_token_ids=p)
+                                     for p in token_lists[i:i + chunk]]
+                            batch_params = params[i:i + chunk]
+                            if queued:
+                                outs = generate_queued(
+                                    llm.llm_engine, batch, batch_params, bs, full,
+                                    hold=lambda: _turn(turns, meter),
+                                    turn_s=QUEUE_TURN_S if turns is not None else None)
+                            else:
+                                with _turn(turns, meter):
+                                    outs = [list(c.token_ids)
+                                            for o in llm.generate(batch, batch_params,
+                                                                  use_tqdm=False)
+                                            for c in sorted(o.outputs, key=lambda c: c.index)]
+                            if turns is not None:
+                                with open(cfg["turn"]["dir"] + f"/progress.{turns.index}",
+                                          "a") as f:
+                                    f.write(f"{len(batch)}\n")
+                            outputs.extend(outs)
+                            bar.update(len(batch))
+                            so_far_s = meter.elapsed + done_s
+                            if so_far_s > 0:
+                                so_far = sum(map(len, outputs)) + done_tokens
+                                bar.set_postfix_str(f"{so_far / so_far_s:.1f} tok/s",
+                                                    refresh=False)
+                        raw.update(
+                            # every sample's tokens (n per prompt)
+                            output_tokens=sum(map(len, outputs)),
+                            elapsed_s=meter.elapsed,
+                            full_batch=full,
+                            cpu_s=meter.cpu_s,
+                            machine_cpu_s=meter.machine_s,
+                            outputs=outputs,
+                            metrics_before=metrics_before,
+                            metrics_after=_metric_values(llm),
+                            la_before=la_before,
+                            la_after=la_stats(),
+                        )
+                        passes.append(raw)
+                        done_tokens += raw["output_tokens"]
+                        done_s += raw["elapsed_s"]
                     bar.close()
-                    section.update(
-                        output_tokens=sum(map(len, outputs)),
-                        elapsed_s=meter.elapsed,
-                        full_batch=full,
-                        cpu_s=meter.cpu_s,
-                        machine_cpu_s=meter.machine_s,
-                        outputs=outputs,
-                        metrics_before=metrics_before,
-                        metrics_after=_metric_values(llm),
-                        la_before=la_before,
-                        la_after=la_stats(),
-                    )
+                    combined = combine_passes(passes)
+                    section.update({k: v for k, v in combined.items() if k != "kind"})
+                    if repeat > 1:
+                        section["passes"] = passes
                     fig = section_figures(section)
                     tqdm.write(
                         f"   {ds} bs={bs}: {fig['output_tokens']} tokens in "
-                        f"{meter.elapsed:.1f} s, "
+                        f"{fig['elapsed_s']:.1f} s, "
                         f"{_fmt('tokens_per_s', fig['tokens_per_s'])} tok/s, "
-                        f"S {_fmt('step_compression', fig['step_compression'])}",
+                        f"S {_fmt('step_compression', fig['step_compression'])}"
+                        + (" (passes: " + ", ".join(
+                            _fmt('step_compression', section_figures(p)['step_compression'])
+                            for p in passes) + ")" if repeat > 1 else ""),
                         file=sys.stderr)
                 except Exception:
                     section["error"] = traceback.format_exc()

@@ -19,9 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from figures import NOISY_OTHER_LOAD, add_relative_figures, row_key, section_figures
+from figures import (
+    NOISY_OTHER_LOAD,
+    add_relative_figures,
+    combine_passes,
+    pass_label,
+    row_key,
+    section_figures,
+)
 from methods import Method
-from prompts import _prepare_model
+from prompts import _prepare_model, template_schema
+
+#: This project's entry in pyproject.toml's [project.entry-points."vllm.general_plugins"].
+PLUGIN_NAME = "lookahead"
 from report import _elapsed, _short_error, _write_json_out, machine_info, other_load_now
 
 
@@ -53,6 +63,9 @@ def _start_child(cfg: dict[str, Any], verbose: bool) -> _Child:
     cfg_path.write_text(json.dumps(cfg), encoding="utf-8")
     env = dict(os.environ)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # Only our vLLM plugin: no other installed general plugin (e.g. a full
+    # arctic-inference's, which patches vLLM) may load in an engine.
+    env.setdefault("VLLM_PLUGINS", PLUGIN_NAME)
     if not verbose:
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env.setdefault("PYTHONWARNINGS", "ignore")
@@ -202,14 +215,30 @@ def _rows_for_run(base: dict[str, Any], method: Method, run: RunResult,
             row["engine_start_s"] = run.info.get("engine_start_s")
             if section is None or section.get("error"):
                 row["error"] = (section or {}).get("error") or run.error or "no result"
-            else:
-                row["n_prompts"] = section.get("n_prompts")
-                row.update(section_figures(section))
-                outputs[row_key(row)] = section.get("outputs") or []
-                lens = (run.info.get("prompt_tokens") or {}).get(ds)
-                if lens:
-                    row["mean_prompt_tokens"] = sum(lens) / len(lens)
-            rows.append(row)
+                rows.append(row)
+                continue
+            row["n_prompts"] = section.get("n_prompts")
+            lens = (run.info.get("prompt_tokens") or {}).get(ds)
+            if lens:
+                row["mean_prompt_tokens"] = sum(lens) / len(lens)
+            parts = [(None, section)]
+            passes = section.get("passes") or []
+            if len(passes) > 1:
+                # --repeat: the first pass, and the later ones together
+                parts += [(pass_label(1, 1), passes[0]),
+                          (pass_label(2, len(passes)), combine_passes(passes[1:]))]
+            for label, raw in parts:
+                part = dict(row)
+                if label is not None:
+                    part["pass"] = label
+                part.update(section_figures(raw))
+                outputs[row_key(part)] = raw.get("outputs") or []
+                if label is None and len(passes) > 1:
+                    part["passes"] = [
+                        {k: v for k, v in section_figures(p).items()
+                         if k not in ("lookahead_deltas", "cost_model")}
+                        for p in passes]
+                rows.append(part)
     return rows
 
 
@@ -226,7 +255,20 @@ def child_config(args: argparse.Namespace, path: Path | None, dtype: str,
         # vLLM's default is torch.compile; the suite runs eager unless --compile
         "enforce_eager": not args.compile,
         "queue": args.queue,
+        "sampling": sampling_settings(args),
+        "repeat": getattr(args, "repeat", 1),
+        "structured": bool(getattr(args, "structured", False)),
+        "structured_schema": template_schema() if getattr(args, "structured", False) else None,
     }
+
+
+def sampling_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``--temperature``, ``--top-p``, ``--n``, ``--seed`` (recorded in every
+    row and passed to the engines)."""
+    return {"temperature": getattr(args, "temperature", 0.0),
+            "top_p": getattr(args, "top_p", 1.0),
+            "n": getattr(args, "n", 1),
+            "seed": getattr(args, "seed", None)}
 
 
 def run_benchmark(args: argparse.Namespace, methods: list[Method], argv: Sequence[str]) -> dict:
@@ -254,7 +296,9 @@ def run_benchmark(args: argparse.Namespace, methods: list[Method], argv: Sequenc
             path, model_error = None, f"{type(exc).__name__}: {exc}"
             tqdm.write(f"error: model {model}: {model_error}", file=sys.stderr)
         for dtype in args.dtypes:
-            base = {"model": model, "dtype": dtype, "max_tokens": args.max_tokens}
+            base = {"model": model, "dtype": dtype, "max_tokens": args.max_tokens,
+                    **sampling_settings(args), "repeat": args.repeat,
+                    "structured": args.structured}
             cfgs = [child_config(args, path, dtype, method) for method in methods]
             if model_error is not None:
                 group = [RunResult(error=model_error) for _ in methods]
@@ -265,7 +309,7 @@ def run_benchmark(args: argparse.Namespace, methods: list[Method], argv: Sequenc
                            file=sys.stderr)
                 group = _run_interleaved(
                     cfgs, args.timeout, args.verbose,
-                    len(args.datasets) * len(args.batch_sizes) * args.prompts,
+                    len(args.datasets) * len(args.batch_sizes) * args.prompts * args.repeat,
                     f"{model} {dtype}")
             else:
                 group = []

@@ -18,6 +18,10 @@ M_DRAFTS = "vllm:spec_decode_num_drafts"
 M_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 M_GENERATED = "vllm:generation_tokens"
 M_ITERATIONS = "vllm:iteration_tokens_total"  # histogram: count = engine steps
+# Histograms observed once per request per engine step that gave it tokens
+# (its first, then every later one): their counts add up to request-steps.
+M_TTFT = "vllm:time_to_first_token_seconds"
+M_ITL = "vllm:inter_token_latency_seconds"
 
 # Fields of get_lookahead_stats() that are ratios or gauges, not counters:
 # their before/after difference means nothing.
@@ -55,10 +59,17 @@ def section_figures(raw: dict[str, Any]) -> dict[str, Any]:
     ``la_before/after`` (``get_lookahead_stats`` dicts). Every figure that
     cannot be computed is ``None`` (shown as "-").
 
-    Step compression S = output tokens / request-steps, where
-    request-steps = output tokens - accepted draft tokens: every
-    request-step (one target forward a request takes part in, its prefill
-    included) yields exactly one token that is not an accepted draft token.
+    Step compression S = output tokens / request-steps. Every request-step
+    (one target forward a request takes part in, its prefill included)
+    yields tokens, and vLLM observes its latency histograms once per
+    request-step (time to first token, then inter-token latency): their
+    counts are the request-steps where the metrics have them. Else
+    request-steps = output tokens - accepted draft tokens (every
+    request-step yields exactly one token that is not an accepted draft
+    token), which over-counts where a request's end (max_tokens, EOS) cuts
+    off draft tokens vLLM already counted as accepted: a draft of up to K
+    tokens per request, so long drafts (suffix decoding's K = 24) inflate
+    S; ``accepted_cut`` is that over-count where both are known.
     """
     out_tokens = raw.get("output_tokens")
     elapsed = raw.get("elapsed_s")
@@ -84,17 +95,29 @@ def section_figures(raw: dict[str, Any]) -> dict[str, Any]:
         "engine_steps": engine_steps,
     }
     request_steps = None
-    if out_tokens is not None and accepted is not None:
+    ttft, itl = _delta(ma, mb, M_TTFT), _delta(ma, mb, M_ITL)
+    counted = ttft + itl if ttft is not None and itl is not None else None
+    fig["accepted_cut"] = None
+    if counted:
+        request_steps = counted
+        if out_tokens is not None and accepted is not None:
+            fig["accepted_cut"] = accepted - (out_tokens - counted)
+    elif out_tokens is not None and accepted is not None:
         request_steps = out_tokens - accepted
     fig["request_steps"] = request_steps
     fig["step_compression"] = _ratio(out_tokens, request_steps) if request_steps else None
+    # the formula before request-steps were counted (over-counts at cut drafts)
+    from_accepted = (out_tokens - accepted if out_tokens is not None and accepted is not None
+                     else None)
+    fig["step_compression_from_accepted"] = (_ratio(out_tokens, from_accepted)
+                                             if from_accepted else None)
     fig["mean_accepted_len"] = (1 + accepted / drafts) if drafts else None
     fig["acceptance_rate"] = _ratio(accepted, draft_tokens) if draft_tokens else None
 
     la_b, la_a = raw.get("la_before"), raw.get("la_after")
     share = {s: None for s in SOURCES}
     proposer_ms = None
-    forwards = 1.0 if kind in ("vanilla", "ngram") else None
+    forwards = 1.0 if kind in ("vanilla", "ngram", "suffix") else None
     la_step_compression = None
     if la_a is not None and la_b is not None:
         src_b = la_b.get("accepted_by_source") or {}
@@ -150,6 +173,49 @@ def section_figures(raw: dict[str, Any]) -> dict[str, Any]:
     return fig
 
 
+def combine_passes(passes: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One raw section (as :func:`section_figures` takes it) of consecutive
+    timed passes of one engine (``--repeat``): counters from the first
+    pass's "before" to the last's "after", tokens, seconds and outputs
+    added up."""
+    if not passes:
+        raise ValueError("no passes")
+    first, last = passes[0], passes[-1]
+
+    def total(key: str) -> float | None:
+        values = [p.get(key) for p in passes]
+        return None if any(v is None for v in values) else sum(values)
+
+    fulls = [p.get("full_batch") for p in passes]
+    full = None
+    if all(isinstance(f, dict) for f in fulls):
+        full = {k: sum(f.get(k, 0) for f in fulls) for k in ("tokens", "seconds", "steps")}
+    outputs: list | None = []
+    for p in passes:
+        if p.get("outputs") is None:
+            outputs = None
+            break
+        outputs.extend(p["outputs"])
+    return {
+        "kind": first.get("kind"),
+        "output_tokens": total("output_tokens"),
+        "elapsed_s": total("elapsed_s"),
+        "cpu_s": total("cpu_s"),
+        "machine_cpu_s": total("machine_cpu_s"),
+        "full_batch": full,
+        "outputs": outputs,
+        "metrics_before": first.get("metrics_before"),
+        "metrics_after": last.get("metrics_after"),
+        "la_before": first.get("la_before"),
+        "la_after": last.get("la_after"),
+    }
+
+
+def pass_label(first: int, last: int) -> str:
+    """``"1"``, ``"2"`` or ``"2-5"``: the passes (1-based) a row covers."""
+    return str(first) if first == last else f"{first}-{last}"
+
+
 def match_count(outputs: Sequence[Sequence[int]] | None,
                 reference: Sequence[Sequence[int]] | None) -> tuple[int, int] | None:
     """(prompts whose tokens equal the reference's, prompts) or None."""
@@ -181,11 +247,11 @@ def add_relative_figures(rows: list[dict[str, Any]],
     vanilla's, in place.
 
     The reference is the vanilla row with the same model, dtype, dataset and
-    batch size.
+    batch size (and, for the rows of ``--repeat`` passes, the same passes).
     """
-    vanilla = {_group_key(r): r for r in rows if r.get("kind") == "vanilla" and not r.get("error")}
+    vanilla = {_ref_key(r): r for r in rows if r.get("kind") == "vanilla" and not r.get("error")}
     for row in rows:
-        ref = vanilla.get(_group_key(row))
+        ref = vanilla.get(_ref_key(row))
         row["ratio"] = row["full_ratio"] = None
         if ref is not None and not row.get("error"):
             row["ratio"] = _ratio(row.get("tokens_per_s"), ref.get("tokens_per_s"))
@@ -203,8 +269,12 @@ def _group_key(row: dict[str, Any]) -> tuple:
     return (row.get("model"), row.get("dtype"), row.get("dataset"), row.get("batch_size"))
 
 
+def _ref_key(row: dict[str, Any]) -> tuple:
+    return (*_group_key(row), row.get("pass"))
+
+
 def row_key(row: dict[str, Any]) -> tuple:
-    return (*_group_key(row), row.get("method"))
+    return (*_group_key(row), row.get("method"), row.get("pass"))
 
 
 def noisy_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

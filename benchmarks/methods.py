@@ -1,5 +1,6 @@
 """Method entries of ``--methods`` (``vanilla``, ``ngram:K,...``,
-``la:N,W,G,flag,key=value``) and the ``speculative_config`` each stands for."""
+``suffix:K,...``, ``la:N,W,G,flag,key=value``) and the ``speculative_config``
+each stands for."""
 
 from __future__ import annotations
 
@@ -15,6 +16,27 @@ DEFAULT_METHODS = ["vanilla", "ngram", "la:4,5,5", "la:4,5,5,nopool", "la:5,7,7"
 NGRAM_DEFAULTS = {"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 _NGRAM_ALIASES = {"k": "num_speculative_tokens", "max": "prompt_lookup_max",
                   "min": "prompt_lookup_min"}
+# vLLM's suffix decoding (Arctic Inference's suffix trees): drafts from a
+# suffix tree of the request's prompt and output plus a global tree of the
+# outputs of earlier requests (up to max_cached_requests: a memory shared
+# across requests). No defaults of our own: vLLM's apply (K = the tree depth
+# 24, 10000 cached requests, spec factor 1.0, min token prob 0.1). Needs
+# `arctic_inference.suffix_decoding` (scripts/setup_suffix.sh).
+_SUFFIX_KEYS = ("max_tree_depth", "max_cached_requests", "max_spec_factor", "min_token_prob")
+_SUFFIX_ALIASES = {
+    "k": "num_speculative_tokens",
+    "depth": "suffix_decoding_max_tree_depth",
+    "cached": "suffix_decoding_max_cached_requests",
+    "factor": "suffix_decoding_max_spec_factor",
+    "prob": "suffix_decoding_min_token_prob",
+    **{key: f"suffix_decoding_{key}" for key in _SUFFIX_KEYS},
+}
+_SUFFIX_FLAGS = {
+    # the global tree off: prompt (and own output) trees only, nothing
+    # remembered across requests
+    "nomem": ("suffix_decoding_max_cached_requests", 0),
+    "nocache": ("suffix_decoding_max_cached_requests", 0),
+}
 _LA_POSITIONAL = ("ngram_size", "window_size", "guess_set_size")
 _LA_FLAGS = {
     "pool": ("prompt_pool", True),
@@ -23,6 +45,9 @@ _LA_FLAGS = {
     "separate": ("mode", "separate"),
     "fixed": ("adaptive", False),
     "adaptive": ("adaptive", True),
+    # the n-gram memory shared across requests (engine setting shared_memory)
+    "mem": ("shared_memory", True),
+    "nomem": ("shared_memory", False),
 }
 
 
@@ -37,7 +62,7 @@ class Method:
     label: str
     """As written on the command line (used in the table, JSON and plot)."""
     kind: str
-    """``vanilla``, ``ngram`` or ``lookahead``."""
+    """``vanilla``, ``ngram``, ``suffix`` or ``lookahead``."""
     spec: dict[str, Any] | None
     """The ``speculative_config`` passed to ``vllm.LLM`` (None: vanilla)."""
 
@@ -66,9 +91,16 @@ def parse_method(text: str) -> Method:
         ngram[:K][,key=value...]          keys: k|num_speculative_tokens,
                                           max|prompt_lookup_max, min|prompt_lookup_min,
                                           or any other SpeculativeConfig key
+        suffix[:K][,nomem][,key=value...] keys: k|num_speculative_tokens,
+                                          depth|max_tree_depth, cached|max_cached_requests,
+                                          factor|max_spec_factor, prob|min_token_prob
+                                          (suffix_decoding_ prefixed) or any other
+                                          SpeculativeConfig key; nomem|nocache:
+                                          max_cached_requests=0 (no global tree)
         la[:N[,W[,G]]][,flag...][,key=value...]     (also ``lookahead:...``)
             flags: nopool | pool | separate | fused | fixed (no planner:
-                   the full tree every step) | adaptive
+                   the full tree every step) | adaptive | mem | nomem
+                   (shared_memory true/false)
             key=value: any lookahead key, passed through unchecked
                        (e.g. mode=separate, max_tree_tokens=64)
 
@@ -117,6 +149,23 @@ def parse_method(text: str) -> Method:
             spec["prompt_lookup_min"] = hi  # only max given, below the default min
         return Method(label, "ngram", spec)
 
+    if name == "suffix":
+        spec = {"method": "suffix"}
+        for i, item in enumerate(items):
+            if "=" in item:
+                key, _, value = item.partition("=")
+                key = _SUFFIX_ALIASES.get(key.strip(), key.strip())
+                put(spec, key, _parse_value(value.strip()))
+            elif item.lower() in _SUFFIX_FLAGS:
+                put(spec, *_SUFFIX_FLAGS[item.lower()])
+            elif i == 0 and item.isdigit():
+                put(spec, "num_speculative_tokens", int(item))
+            else:
+                raise MethodSpecError(
+                    f"{label!r}: expected K, a flag ({'/'.join(_SUFFIX_FLAGS)}) or "
+                    f"key=value, got {item!r}")
+        return Method(label, "suffix", spec)
+
     if name in ("la", "lookahead"):
         spec = {"method": "lookahead"}
         positional = 0
@@ -142,7 +191,8 @@ def parse_method(text: str) -> Method:
             spec.setdefault("prompt_pool", True)
         return Method(label, "lookahead", spec)
 
-    raise MethodSpecError(f"{label!r}: unknown method {name!r} (vanilla, ngram, la)")
+    raise MethodSpecError(
+        f"{label!r}: unknown method {name!r} (vanilla, ngram, suffix, la)")
 
 
 def parse_methods(texts: Sequence[str]) -> list[Method]:
@@ -153,3 +203,13 @@ def parse_methods(texts: Sequence[str]) -> list[Method]:
     if dupes:
         raise MethodSpecError(f"methods listed twice: {dupes}")
     return sorted(methods, key=lambda m: m.kind != "vanilla")
+
+
+def suffix_unavailable() -> str | None:
+    """Why vLLM's suffix decoding cannot run here (None: it can): vLLM
+    imports ``arctic_inference.suffix_decoding`` for it."""
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache  # noqa: F401
+    except Exception as exc:  # missing, or a broken build
+        return f"{type(exc).__name__}: {exc}"
+    return None

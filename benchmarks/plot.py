@@ -21,6 +21,8 @@ def render_plot(rows: Sequence[dict[str, Any]], path: str | os.PathLike[str],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # --repeat: the overall rows (the pass rows are in the table and JSON)
+    rows = [r for r in rows if not r.get("pass")]
     panels: dict[tuple, list[dict]] = {}
     for row in rows:
         panels.setdefault((row.get("model"), row.get("dtype"), row.get("batch_size")), []).append(row)

@@ -89,10 +89,14 @@ def render_table(rows: Sequence[dict[str, Any]]) -> str:
         mt = next((r.get("max_tokens") for r in members if r.get("max_tokens")), None)
         extra = f", {n} prompt{'s' if n != 1 else ''}" if n else ""
         extra += f" x {mt} tokens" if mt else ""
+        sampling = sampling_text(members[0])
+        extra += f" | {sampling}" if sampling else ""
         lines.append(f"== {model} {dtype} | {dataset} | batch size {bs}{extra}")
         lines.append(header)
         for row in members:
-            cells = [f"{row.get('method', '?'):<{COLUMNS[0][1]}}"]
+            # --repeat: a method's pass rows follow its overall row
+            label = f"  pass {row['pass']}" if row.get("pass") else row.get("method", "?")
+            cells = [f"{label:<{COLUMNS[0][1]}}"]
             if row.get("error"):
                 cells.append(f"{'error':>{COLUMNS[1][1]}}  {_short_error(row['error'])}")
             else:
@@ -106,6 +110,27 @@ def render_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def sampling_text(row: dict[str, Any]) -> str:
+    """How a row's tokens were sampled, for the table's block headers:
+    "greedy" or "T 0.8, top-p 0.95, n 2, seed 0", then "repeat R" and
+    "structured" where set; "" for rows that predate these settings."""
+    if "temperature" not in row:
+        return ""
+    t = row.get("temperature") or 0.0
+    parts = ["greedy" if t == 0 else f"T {t:g}"]
+    if t and row.get("top_p", 1.0) != 1.0:
+        parts.append(f"top-p {row['top_p']:g}")
+    if (row.get("n") or 1) != 1:
+        parts.append(f"n {row['n']}")
+    if row.get("seed") is not None:
+        parts.append(f"seed {row['seed']}")
+    if (row.get("repeat") or 1) != 1:
+        parts.append(f"repeat {row['repeat']}")
+    if row.get("structured"):
+        parts.append("structured JSON")
+    return ", ".join(parts)
+
+
 def _short_error(error: str, limit: int = 70) -> str:
     lines = [ln.strip() for ln in str(error).strip().splitlines() if ln.strip()]
     last = lines[-1] if lines else "?"
@@ -117,7 +142,10 @@ def _plot_title(meta: dict[str, Any]) -> str:
              f"{meta.get('cpus', '?')} cores", f"vllm {meta.get('vllm', '?')}"]
     args = meta.get("args") or {}
     if args.get("max_tokens"):
-        parts.append(f"greedy, {args['max_tokens']} new tokens")
+        how = sampling_text({"temperature": args.get("temperature", 0.0),
+                             **{k: args[k] for k in ("top_p", "n", "seed", "repeat",
+                                                     "structured") if k in args}})
+        parts.append(f"{how}, {args['max_tokens']} new tokens")
     parts.append("compiled" if args.get("compile") else "eager")
     if args.get("queue"):
         parts.append("batch = requests running, fed from a queue")
@@ -134,9 +162,10 @@ def report(results: dict[str, Any], plot_path: Path | None) -> str:
     meta = results.get("meta", {})
     rows = results.get("rows", [])
     text = render_table(rows)
-    noisy = noisy_rows(rows)
+    overall = [r for r in rows if not r.get("pass")]  # --repeat: not pass by pass
+    noisy = noisy_rows(overall)
     if noisy:
-        text += (f"\nwarning: {len(noisy)} of {len(rows)} rows were timed while other "
+        text += (f"\nwarning: {len(noisy)} of {len(overall)} rows were timed while other "
                  f"processes kept more than {NOISY_OTHER_LOAD} CPU cores busy; their "
                  f"timings are unreliable: "
                  + ", ".join(f"{r['model']} {r['dtype']} {r['dataset']} bs={r['batch_size']} "

