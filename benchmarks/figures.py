@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-SOURCES = ("window", "prompt", "model")
+SOURCES = ("window", "prompt", "memory", "model")
 ARMS = ("tree", "pool", "off")
 
 # vLLM metric names read around every timed section.
@@ -122,7 +122,8 @@ def section_figures(raw: dict[str, Any]) -> dict[str, Any]:
     if la_a is not None and la_b is not None:
         src_b = la_b.get("accepted_by_source") or {}
         src_a = la_a.get("accepted_by_source") or {}
-        by_src = {s: _delta(src_a, src_b, s) for s in SOURCES}
+        # (an engine from before the shared memory has no "memory" source)
+        by_src = {s: _delta(src_a, src_b, s) if s in src_a else 0 for s in SOURCES}
         total = sum(v for v in by_src.values() if v is not None)
         if total and all(v is not None for v in by_src.values()):
             share = {s: by_src[s] / total for s in SOURCES}

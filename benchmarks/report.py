@@ -40,7 +40,7 @@ COLUMNS = [
     ("S", 5, "step_compression"),
     ("acc.len", 7, "mean_accepted_len"),
     ("acc%", 5, "acceptance_rate"),
-    ("win/prm/mdl %", 13, "share"),
+    ("win/prm/mem/mdl %", 17, "share"),
     ("tree/pool/off %", 15, "arm_share"),
     ("prop ms", 7, "proposer_ms_per_step"),
     ("fwd/st", 6, "forwards_per_step"),
@@ -53,9 +53,11 @@ def _fmt(key: str, value: Any) -> str:
     if value is None:
         return "-"
     if key == "share":
-        if not isinstance(value, dict) or any(value.get(s) is None for s in SOURCES):
+        # (results from before the shared memory have no "memory" share)
+        if not isinstance(value, dict) or any(value.get(s) is None for s in SOURCES
+                                              if s != "memory"):
             return "-"
-        return "/".join(f"{100 * value[s]:.0f}" for s in SOURCES)
+        return "/".join(f"{100 * (value.get(s) or 0):.0f}" for s in SOURCES)
     if key == "arm_share":
         if not isinstance(value, dict):
             return "-"

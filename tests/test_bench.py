@@ -125,7 +125,7 @@ def test_step_compression_from_vllm_counters() -> None:
     assert fig["acceptance_rate"] == pytest.approx(40 / 64)
     assert fig["forwards_per_step"] == 1.0
     assert fig["proposer_ms_per_step"] is None
-    assert fig["share"] == {"window": None, "prompt": None, "model": None}
+    assert fig["share"] == {"window": None, "prompt": None, "memory": None, "model": None}
     assert fig["cpu_share"] == pytest.approx(3.9 / 4.0)
     assert fig["other_load"] == pytest.approx(0.5)  # 2 s of others' CPU time over 4 s
 
@@ -141,10 +141,10 @@ def test_vanilla_has_no_spec_metrics() -> None:
 
 
 def test_lookahead_stats_deltas() -> None:
-    la_before = {"accepted_by_source": {"window": 5, "prompt": 5, "model": 0},
+    la_before = {"accepted_by_source": {"window": 5, "prompt": 5, "memory": 0, "model": 0},
                  "proposer_time_s": 1.0, "lookahead_passes": 10, "decode_steps": 30,
                  "generated_tokens": 40, "step_compression": 1.33, "pool_ngrams": 7}
-    la_after = {"accepted_by_source": {"window": 35, "prompt": 15, "model": 10},
+    la_after = {"accepted_by_source": {"window": 35, "prompt": 15, "memory": 0, "model": 10},
                 "proposer_time_s": 1.5, "lookahead_passes": 60, "decode_steps": 80,
                 "generated_tokens": 160, "step_compression": 2.0, "pool_ngrams": 50}
     raw = {"kind": "lookahead", "output_tokens": 120, "elapsed_s": 3.0,
@@ -153,7 +153,8 @@ def test_lookahead_stats_deltas() -> None:
     fig = figures.section_figures(raw)
     assert fig["step_compression"] == pytest.approx(2.0)  # 120 / (120 - 60)
     assert fig["la_step_compression"] == pytest.approx(120 / 50)
-    assert fig["share"] == pytest.approx({"window": 0.6, "prompt": 0.2, "model": 0.2})
+    assert fig["share"] == pytest.approx({"window": 0.6, "prompt": 0.2, "memory": 0.0,
+                                          "model": 0.2})
     assert fig["proposer_ms_per_step"] == pytest.approx(10.0)  # 0.5 s over 50 engine steps
     assert fig["forwards_per_step"] == pytest.approx(2.0)  # separate mode: a pass per step
     assert fig["tokens_per_forward"] == pytest.approx(1.0)
@@ -239,7 +240,7 @@ def test_render_table() -> None:
     assert text.count("== smollm2 bfloat16") == 4
     assert "== smollm2 bfloat16 | mtbench | batch size 4, 8 prompts x 128 tokens" in text
     la_line = next(line for line in text.splitlines() if line.startswith("la:4,5,5"))
-    for cell in ("26.0", "1.30", "2.40", "3.10", "93", "25/25/50", "4.2", "1.00", "1700", "7/8"):
+    for cell in ("26.0", "1.30", "2.40", "3.10", "93", "25/25/0/50", "4.2", "1.00", "1700", "7/8"):
         assert cell in la_line.split(), (cell, la_line)
     vanilla_line = next(line for line in text.splitlines() if line.startswith("vanilla"))
     assert vanilla_line.split()[-1] == "ref"

@@ -201,3 +201,20 @@ def test_steady_draft_prices_a_seeded_draft_on_the_start_curve(p, per_token, exp
     s.acc.unchecked["suffix4"].hits, s.acc.unchecked["suffix4"].misses = p * 100, (1 - p) * 100
     planner = Planner(_Curve(1.0, per_token))
     assert planner.steady_draft(s.acc, "suffix4", 4) == expect
+
+
+def test_calibration_scales_unchecked_gains_to_what_was_accepted():
+    from vllm_lookahead.acceptance import RequestAcceptance
+
+    prior = AcceptancePrior(max_cands=3)
+    acc = RequestAcceptance(prior)
+    raw = acc.unchecked_gain(4, "suffix4")
+    assert prior.calibration == 1.0
+    for _ in range(200):  # the planner expected twice what was accepted
+        prior.calibrate(acc.unchecked_gain(4, "suffix4"), 0)
+        prior.calibrate(acc.unchecked_gain(4, "suffix4"), round(raw))
+    assert 0.3 <= prior.calibration < 0.8
+    assert acc.unchecked_gain(4, "suffix4") == pytest.approx(raw * prior.calibration)
+    for _ in range(2000):  # then everything expected was accepted: back to 1, not above
+        prior.calibrate(acc.unchecked_gain(4, "suffix4"), acc.unchecked_gain(4, "suffix4") * 2)
+    assert prior.calibration == 1.0

@@ -118,12 +118,35 @@ class AcceptancePrior:
 
     #: trees the engine has learnt from (the prior is LADE's figures at 0)
     trees_seen: int = 0
+    #: Calibration of the unchecked drafts the planner chose: accepted over
+    #: expected draft tokens, summed with forgetting (``CALIBRATION_KEEP``
+    #: per draft); ``calibration`` scales every unchecked gain, within
+    #: [``CALIBRATION_MIN``, 1] once ``CALIBRATION_AFTER`` tokens were
+    #: expected. The planner picks the drafts it expects most of, so their
+    #: estimates run high (regression to the mean; sampling accepts less than
+    #: the text's own continuation suggests): this takes back what the
+    #: verifier did not give.
+    planned: float = 0.0
+    seen: float = 0.0
+    calibration: float = 1.0
+    CALIBRATION_KEEP = 0.995
+    CALIBRATION_AFTER = 16.0
+    CALIBRATION_MIN = 0.3
 
     def tree_gain(self, g: int, window: float) -> float:
         """``window``: the share of the W columns the tree carries (0: off;
         True: all)."""
         base = self.tree_cands[min(g, self.max_cands) - 1] if g > 0 else 0.0
         return base + window_gain(self.tree_window, window)
+
+    def calibrate(self, expected: float, accepted: int) -> None:
+        """A planned unchecked draft: ``expected`` draft tokens accepted by
+        the (calibrated) estimate a step ago, ``accepted`` by the verifier."""
+        k = self.CALIBRATION_KEEP
+        self.planned = self.planned * k + expected / self.calibration
+        self.seen = self.seen * k + accepted
+        if self.planned >= self.CALIBRATION_AFTER:
+            self.calibration = min(1.0, max(self.CALIBRATION_MIN, self.seen / self.planned))
 
     def learn_unchecked(self, kind: str, p: float) -> None:
         self.p_unchecked[kind] += self.ema * (p - self.p_unchecked[kind])
@@ -148,6 +171,7 @@ class AcceptancePrior:
             "tree_confirmed_by_candidates": [round(m, 3) for m in self.tree_cands],
             "tree_window_extra": round(self.tree_window, 3),
             "trees_seen": self.trees_seen,
+            "unchecked_calibration": round(self.calibration, 3),
         }
 
 
@@ -182,7 +206,9 @@ class RequestAcceptance:
 
     # -- what the planner reads ------------------------------------------------
     def unchecked_gain(self, k: int, kind: str = "suffix4") -> float:
-        return geometric_gain(self.unchecked[kind].p, k)
+        """Expected accepted tokens of a k-token unchecked draft, scaled by
+        the engine's calibration (:meth:`AcceptancePrior.calibrate`)."""
+        return geometric_gain(self.unchecked[kind].p, k) * self.prior.calibration
 
     def tree_gain(self, g: int, window: float) -> float:
         """Expected confirmed tokens of a tree with ``g`` candidates and
