@@ -131,14 +131,20 @@ def _state(prior, seeded=False, reads=True, doc=None, scope=0):
     return s
 
 
-def test_lookup_prefers_own_text_on_ties_and_memory_when_longer():
-    rng = np.random.default_rng(7)
-    prior = AcceptancePrior(max_cands=3)
+def _answered(seed):
+    """A memory holding one finished request (prompt, answer)."""
+    rng = np.random.default_rng(seed)
     mem = SharedMemory(4096, delay=4)
     prompt, answer = _text(rng, 30), _text(rng, 12)
     a = mem.open(0, prompt)
     mem.extend(a, answer)
     mem.close(a)
+    return rng, mem, prompt, answer
+
+
+def test_lookup_prefers_own_text_on_ties_and_memory_when_longer():
+    rng, mem, prompt, answer = _answered(7)
+    prior = AcceptancePrior(max_cands=3)
     state = _state(prior)
     draft = lookup(state, prompt, len(prompt), 4, True, mem)
     assert draft == answer[:4].tolist()
@@ -159,14 +165,8 @@ def test_lookup_prefers_own_text_on_ties_and_memory_when_longer():
 
 
 def test_memory_candidate_leads_a_tree():
-    rng = np.random.default_rng(8)
-    prior = AcceptancePrior(max_cands=3)
-    mem = SharedMemory(4096, delay=4)
-    prompt, answer = _text(rng, 30), _text(rng, 12)
-    a = mem.open(0, prompt)
-    mem.extend(a, answer)
-    mem.close(a)
-    state = _state(prior)
+    _, mem, prompt, answer = _answered(8)
+    state = _state(AcceptancePrior(max_cands=3))
     cands = candidates(state, prompt, True, mem)
     assert cands[0] == (tuple(answer[:3].tolist()), 1, SOURCE_MEMORY)
 
