@@ -129,8 +129,8 @@ class AcceptancePrior:
     planned: float = 0.0
     seen: float = 0.0
     calibration: float = 1.0
-    CALIBRATION_KEEP = 0.995
-    CALIBRATION_AFTER = 16.0
+    CALIBRATION_KEEP = 0.98
+    CALIBRATION_AFTER = 8.0
     CALIBRATION_MIN = 0.3
 
     def tree_gain(self, g: int, window: float) -> float:
