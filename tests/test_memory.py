@@ -194,6 +194,9 @@ class _Curve:
 @pytest.mark.parametrize("p,per_token,expect", [
     (0.9, 0.01, 4),   # cheap tokens, good guesses: the whole draft
     (0.2, 0.5, 0),    # dear tokens, poor guesses: none
+    # a curve that says drafts are nearly free (it times the forward only):
+    # vLLM's verification of a draft row still has to be paid
+    (0.2, 0.01, 0),
 ])
 def test_steady_draft_prices_a_seeded_draft_on_the_start_curve(p, per_token, expect):
     prior = AcceptancePrior(max_cands=3)

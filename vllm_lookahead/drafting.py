@@ -44,6 +44,12 @@ class Live:
     chain: list  # fused: the checked chain the tree of this step left ([]: none)
 
 
+#: A seeded request's own prior per-token acceptance of its lookups: it
+#: assumes little until its own text shows more (the engine's running mean,
+#: which other requests move, may not decide its drafts).
+SEEDED_PRIOR_P = 0.25
+
+
 def new_state(settings, tokens: np.ndarray, n_tok: int, num_prompt_tokens: int,
               max_tokens: int | None, seeded: bool, seed: int, prior) -> RequestState:
     """A request's state when it first decodes.
@@ -70,7 +76,8 @@ def new_state(settings, tokens: np.ndarray, n_tok: int, num_prompt_tokens: int,
         num_prompt_tokens=num_prompt_tokens,
         max_tokens=max_tokens,
         settings=settings,
-        acc=RequestAcceptance(AcceptancePrior(max_cands=settings.guess_set_size)
+        acc=RequestAcceptance(AcceptancePrior(max_cands=settings.guess_set_size,
+                                              p_unchecked=SEEDED_PRIOR_P)
                               if seeded else prior),
         seeded=seeded,
     )
