@@ -5,8 +5,9 @@ draft token as one-hot: it accepts it with probability p(token) and otherwise
 samples from p with the draft token removed, which is exactly p. Lossless in
 theory; checked here empirically on SmolLM2-135M-Instruct (float32) with one
 real prompt (a HumanEval problem) at temperature 1.0, plain and with top-k
-and top-p: hundreds of independent samples, each request with its own seed,
-from lookahead and from vanilla vLLM.
+and top-p: hundreds of independent samples from lookahead (unseeded, as
+most sampled requests run, drafting from each other's text through the
+shared memory; and a seeded arm) and from vanilla vLLM (each its own seed).
 
 The statistic: at each generated position, a two-sample chi-square test of
 homogeneity over the tokens seen there (tokens too rare for the asymptotics
@@ -231,12 +232,17 @@ def rejection_expand_is_broken() -> bool:
     )
 
 
-#: Sampling settings compared with vanilla; each gets its own seed range.
+#: Sampling settings compared with vanilla. Vanilla's samples are seeded
+#: (each its own seed range); lookahead's run without seeds, as most sampled
+#: requests do: the planner's full path, the shared memory included (the
+#: samples of one prompt draft from each other's text). A seeded request
+#: drafts only what its own text makes pay on the start-up curve, little
+#: here: it gets an arm of its own (SEEDED), checked for its distribution.
 VARIANTS = {
     "t1": dict(temperature=1.0),
     "t1-topk-topp": dict(temperature=1.0, top_k=20, top_p=0.9),
 }
-VARIANT_SEEDS = {"t1": SEED_LOOKAHEAD, "t1-topk-topp": SEED_LOOKAHEAD + 500_000}
+SEEDED = "t1-seeded"
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +285,6 @@ def vanilla_samples(smollm2_path, prompt):
 @pytest.fixture(scope="module")
 def lookahead_run(smollm2_path, prompt):
     keys = ("drafts", "draft_tokens", "accepted_tokens", "decode_steps")
-    memory_keys = ("memory",)
     samples, delta = {}, {}
     with engine(smollm2_path, LOOKAHEAD, max_num_seqs=MAX_NUM_SEQS) as llm:
         if rejection_expand_is_broken():
@@ -289,28 +294,18 @@ def lookahead_run(smollm2_path, prompt):
                 "samples draft positions with garbage temperature/top-k/top-p"
             )
         _warm_prefix_cache(llm, prompt)
-        for name, sampling in VARIANTS.items():
+        arms = [(name, None, sampling) for name, sampling in VARIANTS.items()]
+        arms.append((SEEDED, SEED_LOOKAHEAD, VARIANTS["t1"]))
+        for name, seed0, sampling in arms:
             flush(llm)
             before = proposer(llm).get_stats()
-            samples[name] = _sample(llm, prompt, N_LOOKAHEAD, VARIANT_SEEDS[name], **sampling)
+            samples[name] = _sample(llm, prompt, N_LOOKAHEAD, seed0, **sampling)
             flush(llm)
             after = proposer(llm).get_stats()
             delta[name] = {k: after[k] - before[k] for k in keys}
-        # Unseeded requests read the shared memory (seeded ones never do):
-        # n samples of one prompt draft from each other's text.
-        flush(llm)
-        before = proposer(llm).get_stats()
-        samples[UNSEEDED] = _sample(llm, prompt, N_LOOKAHEAD, None, temperature=1.0)
-        flush(llm)
-        after = proposer(llm).get_stats()
-        delta[UNSEEDED] = {k: after[k] - before[k] for k in keys}
-        delta[UNSEEDED].update({f"accepted_{k}": after["accepted_by_source"][k]
-                                - before["accepted_by_source"][k] for k in memory_keys})
+            delta[name]["accepted_memory"] = (after["accepted_by_source"]["memory"]
+                                              - before["accepted_by_source"]["memory"])
     return {"samples": samples, "stats": after, "delta": delta}
-
-
-#: Lookahead samples without seeds (temperature 1.0), against vanilla's "t1".
-UNSEEDED = "t1-unseeded-memory"
 
 
 def _describe(samples_a, samples_b, pvalues) -> str:
@@ -333,10 +328,10 @@ def test_control_temperature_0_7_is_rejected(vanilla_samples):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("variant", [*VARIANTS, UNSEEDED])
+@pytest.mark.parametrize("variant", [*VARIANTS, SEEDED])
 def test_lookahead_sampling_matches_vanilla(lookahead_run, vanilla_samples, variant):
     la = lookahead_run["samples"][variant]
-    va = vanilla_samples["t1" if variant == UNSEEDED else variant]
+    va = vanilla_samples["t1" if variant == SEEDED else variant]
     assert len(la) == N_LOOKAHEAD and all(len(s) >= 1 for s in la)
     pvalues = position_pvalues(la, va, MAX_TOKENS)
     assert bonferroni(pvalues) > ALPHA, _describe(la, va, pvalues)
@@ -361,12 +356,11 @@ def test_lookahead_accepts_drafts_while_sampling(lookahead_run, variant):
 
 @pytest.mark.e2e
 def test_unseeded_samples_draft_from_each_other(lookahead_run):
-    """The unseeded arm above drafted from the shared memory (the other
+    """The unseeded arms above drafted from the shared memory (the other
     samples' text), and some of it was accepted: the distribution test ran
-    with memory drafts in it."""
-    d = lookahead_run["delta"][UNSEEDED]
-    assert d["accepted_memory"] > 0, d
-    assert d["draft_tokens"] - d["accepted_tokens"] >= 8, d  # rejections too
+    with memory drafts in it; the seeded arm never drafts from it."""
+    assert sum(lookahead_run["delta"][v]["accepted_memory"] for v in VARIANTS) > 0
+    assert lookahead_run["delta"][SEEDED]["accepted_memory"] == 0
 
 
 @pytest.mark.e2e
