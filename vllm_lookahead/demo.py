@@ -160,7 +160,8 @@ def main(argv=None) -> int:
         f"{'draft acceptance':24s}{'-':>12s}{stats['acceptance_rate']:12.1%}",
         "",
         f"accepted tokens: {stats['accepted_tokens']} (window n-grams {src['window']}, "
-        f"prompt/context n-grams {src['prompt']}, model's own prediction {src['model']})",
+        f"prompt/context n-grams {src['prompt']}, other requests' text (shared memory) "
+        f"{src.get('memory', 0)}, model's own prediction {src['model']})",
         "planner shapes (request-steps): " + ", ".join(
             f"{k} {v}" for k, v in sorted(stats["shape_steps"].items(), key=lambda kv: -kv[1])[:6]),
         f"target forwards per step: {1 + stats['pass_requests'] / max(stats['decode_steps'], 1):.2f} "
