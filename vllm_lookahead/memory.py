@@ -115,7 +115,7 @@ class SharedMemory:
         doc_id = self._next_id
         self._next_id += 1
         self._docs[doc_id] = _Doc(scope)
-        self._evict(extra_docs=0)
+        self._evict()
         self.extend(doc_id, np.asarray(prompt)[-PROMPT_TAIL:])
         return doc_id
 
@@ -140,7 +140,7 @@ class SharedMemory:
         self.tokens += k
         self._index(doc_id, doc, doc.n - self.delay)
         if self.tokens > self.capacity:
-            self._evict(extra_docs=0)
+            self._evict()
 
     def close(self, doc_id: int) -> None:
         """The request finished: index its last places too (they will not
@@ -164,8 +164,8 @@ class SharedMemory:
         start = max(doc.indexed, 1)
         if upto < start:
             return
-        seq = toks[max(start - KEY_LENS[0], 0): upto].tolist()
         base = max(start - KEY_LENS[0], 0)
+        seq = toks[base: upto].tolist()
         for j in range(start, upto + 1):
             for t, m in enumerate(KEY_LENS):
                 if j < m:
@@ -176,9 +176,9 @@ class SharedMemory:
                 self._pos[t, slot] = j
         doc.indexed = upto + 1
 
-    def _evict(self, extra_docs: int) -> None:
-        while self._docs and (self.tokens > self.capacity
-                              or len(self._docs) + extra_docs > self.max_docs):
+    def _evict(self) -> None:
+        """Drop the oldest documents while past either bound."""
+        while self._docs and (self.tokens > self.capacity or len(self._docs) > self.max_docs):
             _, old = self._docs.popitem(last=False)
             self.tokens -= old.n
             self.evicted += 1

@@ -99,7 +99,7 @@ import functools
 
 # The name of the worker method added by _add_worker_stats_method (kept in
 # stats.py, which calls it; imported here by tests and tools too).
-from vllm_lookahead.stats import WORKER_STATS_METHOD
+from vllm_lookahead.stats import WORKER_STATS_METHOD, worker_drafter
 
 _APPLIED = False
 
@@ -347,8 +347,7 @@ CLEAR_MEMORY_METHOD = "lookahead_clear_memory"
 
 def _clear_memory(worker) -> bool:
     """Runs inside a vLLM worker (``WorkerBase.lookahead_clear_memory``)."""
-    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
-    clear = getattr(drafter, "clear_memory", None)
+    clear = getattr(worker_drafter(worker), "clear_memory", None)
     return bool(clear()) if clear is not None else False
 
 

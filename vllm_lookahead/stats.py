@@ -125,12 +125,16 @@ class LookaheadStats:
         return d
 
 
+def worker_drafter(worker):
+    """A vLLM worker's drafter (our proposer, or whatever else it runs; None
+    without one)."""
+    return getattr(getattr(worker, "model_runner", None), "drafter", None)
+
+
 def worker_stats(worker) -> dict | None:
     """Runs inside a vLLM worker: installed as ``WorkerBase.lookahead_stats``
     by :mod:`vllm_lookahead.patches` and called through ``collective_rpc``."""
-    runner = getattr(worker, "model_runner", None)
-    drafter = getattr(runner, "drafter", None)
-    get = getattr(drafter, "get_stats", None)
+    get = getattr(worker_drafter(worker), "get_stats", None)
     return get() if get is not None else None
 
 
