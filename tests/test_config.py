@@ -32,6 +32,7 @@ RANGES = {
     "max_tree_tokens": (0, 1 << 20),
     "disable_batch_size": (0, 1 << 20),
     "memory_tokens": (256, 1 << 26),
+    "lookup_len": (0, 64),
 }
 
 
@@ -46,7 +47,8 @@ def test_defaults_valid():
     assert cfg.disable_batch_size is None  # never: the planner decides
     assert cfg.prompt_pool is True
     assert cfg.seed == 0
-    assert cfg.max_draft_len == cfg.ngram_size
+    assert cfg.lookup_len == 16 and cfg.max_draft_len == max(cfg.ngram_size, cfg.lookup_len)
+    assert LookaheadConfig(lookup_len=0).max_draft_len == cfg.ngram_size
     assert cfg.mode == "fused"
     assert cfg.adaptive is True
     assert cfg.cost_model == "auto"
@@ -208,7 +210,7 @@ def test_split_minimal():
     assert out.vllm_kwargs == {
         "method": "custom_class",
         "model": PROPOSER_QUALNAME,
-        "num_speculative_tokens": LookaheadConfig().ngram_size,
+        "num_speculative_tokens": LookaheadConfig().max_draft_len,
     }
     assert spec == {"method": "lookahead"}  # input not mutated
 
@@ -219,7 +221,7 @@ def test_proposer_qualname_importable_path():
 
 @pytest.mark.parametrize("n", [2, 3, 7, 16])
 def test_split_num_spec_tokens_default_is_n(n):
-    out = split_speculative_config({"method": "lookahead", "ngram_size": n})
+    out = split_speculative_config({"method": "lookahead", "ngram_size": n, "lookup_len": 0})
     assert out.lookahead.ngram_size == n
     assert out.vllm_kwargs["num_speculative_tokens"] == n
     # our own keys are not passed on to vLLM
@@ -230,17 +232,32 @@ def test_split_num_spec_tokens_default_is_n(n):
 def test_split_num_spec_tokens_range(n):
     for k in range(1, n + 1):
         out = split_speculative_config(
-            {"method": "lookahead", "ngram_size": n, "num_speculative_tokens": k}
+            {"method": "lookahead", "ngram_size": n, "lookup_len": 0,
+             "num_speculative_tokens": k}
         )
         assert out.vllm_kwargs["num_speculative_tokens"] == k
     for bad in (0, -1, n + 1, n + 10, "2", 2.0, True, 1.5):
         with pytest.raises(LookaheadConfigError) as ei:
             split_speculative_config(
-                {"method": "lookahead", "ngram_size": n, "num_speculative_tokens": bad}
+                {"method": "lookahead", "ngram_size": n, "lookup_len": 0,
+                 "num_speculative_tokens": bad}
             )
         msg = str(ei.value)
         assert "num_speculative_tokens" in msg
-        assert f"[1, ngram_size={n}]" in msg
+        assert f"[1, {n}] (max(ngram_size, lookup_len)" in msg
+
+
+@pytest.mark.parametrize("n, look, k", [(4, 16, 16), (4, 0, 4), (4, 3, 4), (6, 24, 24),
+                                        (16, 8, 16), (2, 64, 64)])
+def test_split_num_spec_tokens_default_is_the_longest_draft(n, look, k):
+    """vLLM's draft length defaults to the longest draft lookahead makes:
+    a tree's N or an unchecked lookup's ``lookup_len``; it may be set
+    lower, not higher."""
+    out = split_speculative_config({"method": "lookahead", "ngram_size": n, "lookup_len": look})
+    assert out.vllm_kwargs["num_speculative_tokens"] == k
+    with pytest.raises(LookaheadConfigError, match=rf"\[1, {k}\]"):
+        split_speculative_config({"method": "lookahead", "ngram_size": n, "lookup_len": look,
+                                  "num_speculative_tokens": k + 1})
 
 
 @pytest.mark.parametrize(

@@ -29,11 +29,14 @@ def test_engine_args_accept_lookahead(tiny_model_path):
     sc = cfg.speculative_config
     assert sc.method == "custom_class"
     assert sc.model == "vllm_lookahead.proposer.LookaheadProposer"
-    assert sc.num_speculative_tokens == 3  # N: confirmed (N-1)-gram + next token
+    # the longest draft: an unchecked lookup of lookup_len (16) tokens
+    # (a tree's: its confirmed (N-1)-gram + the next token, N)
+    assert sc.num_speculative_tokens == 16
     assert cfg.additional_config["lookahead"] == {
         "ngram_size": 3, "window_size": 2, "guess_set_size": 1, "prompt_pool": True, "seed": 0,
         "mode": "fused", "max_tree_tokens": 0, "disable_batch_size": None,
         "adaptive": True, "cost_model": "auto", "shared_memory": True, "memory_tokens": 131072,
+        "lookup_len": 16,
     }
     assert args.speculative_config == spec  # the user's dict is left as given
 
@@ -54,7 +57,7 @@ def test_defaults_are_documented_values(tiny_model_path):
         ({"guess_set_size": 0}, "guess_set_size"),
         ({"guess_set_size": "5"}, "guess_set_size"),
         ({"prompt_pool": "yes"}, "prompt_pool"),
-        ({"num_speculative_tokens": 9, "ngram_size": 4}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": 17, "ngram_size": 4}, "num_speculative_tokens"),
         ({"bogus": 1}, "bogus"),
         ({"prompt_lookup_max": 3}, "prompt_lookup_max"),
         ({"cost_model": "/no/such/curve.json"}, "cost_model"),

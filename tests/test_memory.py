@@ -221,3 +221,72 @@ def test_calibration_scales_unchecked_gains_to_what_was_accepted():
     for _ in range(2000):  # then everything expected was accepted: back to 1, not above
         prior.calibrate(acc.unchecked_gain(4, "suffix4"), acc.unchecked_gain(4, "suffix4") * 2)
     assert prior.calibration == 1.0
+
+
+# -- drafts longer than N (lookup_len) ---------------------------------------
+def _long_answered(seed, n_answer=40):
+    rng = np.random.default_rng(seed)
+    mem = SharedMemory(4096, delay=4)
+    prompt, answer = _text(rng, 30), _text(rng, n_answer)
+    a = mem.open(0, prompt)
+    mem.extend(a, answer)
+    mem.close(a)
+    return rng, mem, prompt, answer
+
+
+@pytest.mark.parametrize("look, room, expect", [(16, 16, 16), (16, 24, 16), (16, 9, 9),
+                                                (0, 16, 4), (3, 16, 4), (24, 24, 24)])
+def test_lookups_draft_up_to_lookup_len_from_memory_and_own_text(look, room, expect):
+    """A lookup drafts up to max(N, lookup_len) tokens (and the room vLLM
+    leaves): the memory's continuation of a repeated question, and the
+    request's own text where it repeats itself."""
+    _, mem, prompt, answer = _long_answered(9)
+    cfg = LookaheadConfig(lookup_len=look)
+    state = new_state(request_settings(None, cfg), _toks(1, 2, 3), 3, 3, None, False, 0,
+                      AcceptancePrior(max_cands=3))
+    state.memory_reads, state.memory_doc, state.memory_scope = True, None, 0
+    draft = lookup(state, prompt, len(prompt), room, True, mem)
+    assert draft == answer[:expect].tolist() and state.lookup_kind == "memory12"
+    assert state.lookup_sources == [SOURCE_MEMORY] * expect
+    # own text: a 40-token passage seen before, its first 4 tokens again
+    own = np.concatenate([answer, _toks(7, 7, 7), answer[:4]])
+    state.memory_reads = False
+    assert lookup(state, own, len(own), room, True, mem) == answer[4: 4 + expect].tolist()
+    assert state.lookup_kind == "suffix4"
+    # a request may lower lookup_len (never raise it)
+    low = request_settings({"lookahead": {"lookup_len": 0}}, cfg)
+    assert low.lookup_len == 0
+    with pytest.raises(ValueError, match="lookup_len"):
+        request_settings({"lookahead": {"lookup_len": look + 1}}, cfg)
+
+
+def test_draft_lengths_weigh_every_short_length_then_a_ladder():
+    from vllm_lookahead.planner import draft_lengths
+
+    assert draft_lengths(0) == ()
+    assert draft_lengths(3) == (1, 2, 3)
+    assert draft_lengths(8) == tuple(range(1, 9))
+    assert draft_lengths(16) == (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
+    assert draft_lengths(20) == (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 20)
+    assert draft_lengths(64)[-4:] == (24, 32, 48, 64)
+
+
+@pytest.mark.parametrize("p, per_token, lo, hi", [
+    (0.97, 0.002, 16, 16),  # a memory match that runs on, tokens cheap: all of it
+    (0.97, 0.04, 5, 16),    # dearer tokens: shorter, still past N
+    (0.5, 0.04, 1, 3),      # coin flips: a short draft
+])
+def test_planner_prices_a_long_lookup(p, per_token, lo, hi):
+    from vllm_lookahead.acceptance import RequestAcceptance
+    from vllm_lookahead.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner import RequestView
+
+    prior = AcceptancePrior(max_cands=3)
+    acc = RequestAcceptance(prior)
+    acc.unchecked["memory12"].hits, acc.unchecked["memory12"].misses = p * 1000, (1 - p) * 1000
+    curve = CostCurve({1: [(t, 0.05 * (1 + per_token * (t - 1))) for t in (1, 2, 4, 8, 16, 32)]})
+    planner = Planner(CostModel(curve))
+    v = RequestView(acc=acc, ngram_size=4, window_size=3, guess_set_size=0, room=16,
+                    unchecked=16, lookup_kind="memory12", trees=False)
+    (shape,) = planner.plan([v])
+    assert shape.kind == "draft" and lo <= shape.draft <= hi, shape

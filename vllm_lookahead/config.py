@@ -81,6 +81,14 @@ class LookaheadConfig:
         memory_tokens: the memory's capacity in tokens (all requests'
             text; the oldest request's text is evicted first). The default,
             131072, holds a 128k-token mix in about 6 MB. Range 256..2^26.
+        lookup_len: the longest unchecked draft: the continuation of a
+            match in the request's own text or in the shared memory (a
+            repeated answer, a template's fixed fields run on for many
+            tokens). A tree's checked draft stays within N. The planner
+            picks each step's length up to it from the measured
+            acceptance and cost; vLLM's ``num_speculative_tokens``
+            defaults to ``max(ngram_size, lookup_len)``. 0 = N (the
+            lookups draft no further than the trees). Range 0..64.
 
     The defaults (N, W, G) = (4, 3, 3) are the fastest measured on a 2-core
     CPU (bfloat16, SmolLM2-135M, HumanEval and MT-Bench): there every query
@@ -99,6 +107,7 @@ class LookaheadConfig:
     cost_model: str = "auto"
     shared_memory: bool = True
     memory_tokens: int = 131072
+    lookup_len: int = 16
 
     _RANGES = {
         "ngram_size": (2, 16),
@@ -108,6 +117,7 @@ class LookaheadConfig:
         "max_tree_tokens": (0, 1 << 20),
         "disable_batch_size": (0, 1 << 20),
         "memory_tokens": (256, 1 << 26),
+        "lookup_len": (0, 64),
     }
     _CHOICES = {"mode": ("fused", "separate")}
     #: ``cost_model`` keywords; any other value is a file path.
@@ -173,8 +183,9 @@ class LookaheadConfig:
     @property
     def max_draft_len(self) -> int:
         """Longest draft one step can hand the verifier: a fully confirmed
-        (N-1)-token candidate plus the target's next token after it."""
-        return self.ngram_size
+        (N-1)-token candidate plus the target's next token after it, or an
+        unchecked lookup of ``lookup_len`` tokens."""
+        return max(self.ngram_size, self.lookup_len)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -199,7 +210,7 @@ class LookaheadConfig:
 #: ``SamplingParams.extra_args`` key of a request's own lookahead settings.
 REQUEST_KEY = "lookahead"
 #: Fields a request may lower (never raise above the engine's).
-REQUEST_FIELDS = ("ngram_size", "window_size", "guess_set_size")
+REQUEST_FIELDS = ("ngram_size", "window_size", "guess_set_size", "lookup_len")
 
 
 @dataclass(frozen=True)
@@ -210,6 +221,8 @@ class RequestSettings:
     ngram_size: int = 4
     window_size: int = 3
     guess_set_size: int = 3
+    #: longest unchecked draft (0: N; ``LookaheadConfig.lookup_len``)
+    lookup_len: int = 16
     #: reads and feeds the engine's shared memory (``LookaheadConfig.shared_memory``)
     shared_memory: bool = True
 
@@ -229,8 +242,9 @@ def request_settings(extra_args: dict[str, Any] | None, engine: LookaheadConfig)
     memory: it neither drafts from other requests' text nor leaves its own
     there. (``true`` where the engine's memory is off changes nothing.)
 
-    A request may lower N (down to 2), W (down to 0) and G (down to 1) below
-    the engine's values, never raise them.
+    A request may lower N (down to 2), W (down to 0), G (down to 1) and
+    ``lookup_len`` (down to 0: N) below the engine's values, never raise
+    them.
 
     Raises:
         LookaheadConfigError: unknown key, wrong type or value out of range;
@@ -241,6 +255,7 @@ def request_settings(extra_args: dict[str, Any] | None, engine: LookaheadConfig)
         "ngram_size": engine.ngram_size,
         "window_size": engine.window_size,
         "guess_set_size": engine.guess_set_size,
+        "lookup_len": engine.lookup_len,
         "shared_memory": engine.shared_memory,
     }
     if not extra_args:
@@ -271,7 +286,7 @@ def request_settings(extra_args: dict[str, Any] | None, engine: LookaheadConfig)
     if "shared_memory" in given:
         memory = _flag(given.pop("shared_memory"), "shared_memory")
         base["shared_memory"] = base["shared_memory"] and memory
-    lows = {"ngram_size": 2, "window_size": 0, "guess_set_size": 1}
+    lows = {"ngram_size": 2, "window_size": 0, "guess_set_size": 1, "lookup_len": 0}
     for name, value in given.items():
         hi = base[name]
         lo = lows[name]

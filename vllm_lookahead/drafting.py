@@ -118,8 +118,9 @@ def account(state: RequestState, stats, sampled: list[int], num_tokens: int) -> 
 
 def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
            prompt_pool: bool, memory=None) -> list[int]:
-    """The unchecked draft of the request's text now (at most ``room``
-    tokens, or N when there is no room, to keep learning its acceptance):
+    """The unchecked draft of the request's text now (at most ``room`` and
+    ``max(N, lookup_len)`` tokens, or N when there is no room, to keep
+    learning its acceptance):
     the continuation of the text's longest earlier-seen suffix (2-4 tokens,
     ``prompt_pool`` on), unless the engine's shared ``memory``
     (:class:`~vllm_lookahead.memory.SharedMemory`) matches a longer one in
@@ -127,8 +128,8 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
     the pool's most often seen (then newest) continuation of the newest
     token. ``tokens``: int [>= n_tok] the request's tokens. Sets
     ``state.lookup_sources`` and ``state.lookup_kind``."""
-    k = room if room > 0 else state.settings.ngram_size
-    k = min(k, state.settings.ngram_size)
+    n = state.settings.ngram_size
+    k = min(room if room > 0 else n, max(n, state.settings.lookup_len))
     draft, source, matched = [], SOURCE_PROMPT, 0
     if prompt_pool:
         draft, matched = suffix_match(tokens, n_tok, k)

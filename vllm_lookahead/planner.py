@@ -147,6 +147,18 @@ class BestCase:
         return cls(p_unchecked=p_u, max_draft=max(v.room for v in views), trees=trees)
 
 
+@lru_cache(maxsize=128)
+def draft_lengths(k_max: int) -> tuple[int, ...]:
+    """The draft lengths the planner weighs for an unchecked draft of at
+    most ``k_max`` tokens: every length up to 8, then a ladder
+    (12, 16, 24, 32, 48) and ``k_max`` itself, so a long lookup costs a
+    few more shapes, not one per token."""
+    ks = set(range(1, min(k_max, 8) + 1)) | {k for k in (12, 16, 24, 32, 48) if k < k_max}
+    if k_max > 0:
+        ks.add(k_max)
+    return tuple(sorted(ks))
+
+
 @lru_cache(maxsize=256)
 def _tree_options(ngram_size: int, window_size: int, g_max: int) -> tuple:
     """The tree shapes of a request with these N, W, G: ``(window columns,
@@ -222,7 +234,7 @@ class Planner:
             k = min(v.chain, v.room)
             out.append(Shape("draft", draft=k, tokens=1 + acc.unchecked_gain(k)))
         elif v.unchecked > 0:
-            for k in range(1, min(v.unchecked, v.room) + 1):
+            for k in draft_lengths(min(v.unchecked, v.room)):
                 out.append(Shape("draft", draft=k,
                                  tokens=1 + acc.unchecked_gain(k, v.lookup_kind)))
         if not v.trees:
@@ -304,7 +316,7 @@ class Planner:
             sec = self.cost.predict(batch, (batch - 1 + query) / batch, tree=tree, drafting=1)
             return gain > lam * (sec - c0) + 1e-12
 
-        for k in range(1, best.max_draft + 1):
+        for k in draft_lengths(best.max_draft):
             if pays(geometric_gain(best.p_unchecked, k), 1 + k, False):
                 return True
         return any(pays(gain, 1 + nodes, True) for gain, nodes in best.trees.values())

@@ -168,7 +168,8 @@ def split_speculative_config(
     elif isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cfg.max_draft_len:
         raise LookaheadConfigError(
             f"{name('num_speculative_tokens')} must be an integer "
-            f"in [1, ngram_size={cfg.max_draft_len}], got {k!r}"
+            f"in [1, {cfg.max_draft_len}] (max(ngram_size, lookup_len): the "
+            f"longest draft lookahead makes), got {k!r}"
         )
     vllm_kwargs = {
         **spec,
