@@ -73,6 +73,9 @@ def test_memory_exact_repeated_and_n_samples_isolated_and_cleared(smollm2_path, 
 
         stats = proposer(llm).get_stats()["shared_memory"]
         assert stats["documents"] > 0 and stats["tokens"] <= stats["capacity_tokens"]
+        # every step ran the full tree (LOOKAHEAD: adaptive off): the
+        # windows' n-grams went to the memory too
+        assert stats["harvested_ngrams"] > 0, stats
 
         # cache_salt: a tenant drafts only from its own text.
         one = ids[:2]
@@ -96,7 +99,8 @@ def test_memory_exact_repeated_and_n_samples_isolated_and_cleared(smollm2_path, 
 
         # vLLM's reset_prefix_cache clears the memory (patch 13).
         assert llm.reset_prefix_cache()
-        assert proposer(llm).get_stats()["shared_memory"]["documents"] == 0
+        cleared = proposer(llm).get_stats()["shared_memory"]
+        assert cleared["documents"] == 0 and cleared["harvested_ngrams"] == 0
         before = _memory_accepted(llm)
         out = generate_ids(llm, token_prompts(ids[:1]), greedy, batch=False)
         assert out == vanilla[:1] and _memory_accepted(llm) == before

@@ -290,3 +290,67 @@ def test_planner_prices_a_long_lookup(p, per_token, lo, hi):
                     unchecked=16, lookup_kind="memory12", trees=False)
     (shape,) = planner.plan([v])
     assert shape.kind == "draft" and lo <= shape.draft <= hi, shape
+
+
+# -- the windows' harvest ----------------------------------------------------
+def test_harvest_table_newest_first_bounded_scoped_and_cleared():
+    mem = SharedMemory(1024, delay=4)
+    before = mem.nbytes()
+    mem.add_ngram(0, 5, (1, 2, 3))
+    mem.add_ngram(0, 5, (4, 5, 6))
+    mem.add_ngram(0, 5, (1, 2, 3))  # seen again: newest again, not twice
+    assert mem.ngrams(0, 5) == [(1, 2, 3), (4, 5, 6)]
+    assert mem.ngrams(0, 6) == [] and mem.ngrams(scope_of("a"), 5) == []
+    mem.add_ngram(0, 5, (9, 9))  # not N-1 tokens: ignored
+    for i in range(10):
+        mem.add_ngram(0, 5, (100 + i, 0, 0))
+    got = mem.ngrams(0, 5)
+    assert len(got) == 4 and got[0] == (109, 0, 0) and got[-1] == (106, 0, 0)
+    # many keys: the table's size never changes (fixed sets, the oldest out)
+    for key in range(20000):
+        mem.add_ngram(key % 3, key, (key, key, key))
+    assert mem.nbytes() == before and mem.harvested == 20013
+    assert mem.ngrams(19999 % 3, 19999) == [(19999,) * 3]
+    mem.clear()
+    assert mem.ngrams(19999 % 3, 19999) == [] and mem.harvested == 0
+
+
+def test_other_requests_window_ngrams_fill_a_trees_candidates():
+    mem = SharedMemory(4096, delay=4)
+    other = scope_of("other")
+    mem.add_ngram(0, 3, (40, 41, 42))
+    mem.add_ngram(other, 3, (50, 51, 52))
+    state = _state(AcceptancePrior(max_cands=3))
+    text = _toks(9, 8, 7, 3)
+    cands = candidates(state, text, False, mem)
+    assert (( 40, 41, 42), 1, SOURCE_MEMORY) in cands
+    assert all(c[0] != (50, 51, 52) for c in cands)  # another scope's: never
+    # an unchecked lookup with no n-gram of its own drafts the newest
+    assert lookup(state, text, len(text), 4, False, mem) == [40, 41, 42]
+    assert state.lookup_sources == [SOURCE_MEMORY] * 3
+    # a request that does not read the memory: nothing
+    assert candidates(_state(AcceptancePrior(max_cands=3), reads=False), text, False, mem) == []
+
+
+def test_jacobi_step_feeds_the_memory_only_for_requests_that_feed_it():
+    from vllm_lookahead.drafting import jacobi_step
+
+    class _Window:
+        warm = True
+
+        def columns(self, root, new):
+            return [(root, (1, 2, 3)), (7, (4, 5, 6))]
+
+        def shift(self, new):
+            self.shifted = new
+
+    class _Layout:
+        newest_level = [0]
+
+    mem = SharedMemory(1024, delay=4)
+    for doc, expect in ((None, []), (0, [(1, 2, 3)])):
+        state = _state(AcceptancePrior(max_cands=3), doc=doc)
+        state.window = _Window()
+        jacobi_step(state, _Layout(), 11, np.asarray([5]), mem)
+        assert mem.ngrams(0, 11) == expect
+        assert state.pool.get(11)[0][0] == (1, 2, 3)

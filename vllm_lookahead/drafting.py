@@ -126,7 +126,7 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
     (:class:`~vllm_lookahead.memory.SharedMemory`) matches a longer one in
     other requests' text (12, 6 or 3 tokens: its own text wins ties); else
     the pool's most often seen (then newest) continuation of the newest
-    token. ``tokens``: int [>= n_tok] the request's tokens. Sets
+    token (without one: the newest another request's window produced). ``tokens``: int [>= n_tok] the request's tokens. Sets
     ``state.lookup_sources`` and ``state.lookup_kind``."""
     n = state.settings.ngram_size
     k = min(room if room > 0 else n, max(n, state.settings.lookup_len))
@@ -140,6 +140,10 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
             draft, source, state.lookup_kind = mem, SOURCE_MEMORY, f"memory{m}"
     if not draft:
         cands = state.pool.get(int(tokens[n_tok - 1]))[: state.settings.guess_set_size]
+        if not cands and memory is not None and state.memory_reads:
+            # no n-gram of its own: another request's window's, newest first
+            cands = [(c, 1, SOURCE_MEMORY)
+                     for c in memory.ngrams(state.memory_scope, int(tokens[n_tok - 1]))[:1]]
         best = choose_candidate([0] * len(cands), [c for _, c, _ in cands])
         if best >= 0:
             cont, _, source = cands[best]
@@ -165,7 +169,9 @@ def candidates(state: RequestState, text: np.ndarray, prompt_pool: bool,
     pool's for that token (newest first, at most G), led by the
     continuation of the text's longest earlier-seen 2-4 token suffix when
     ``prompt_pool`` is on and it is new, and before it the shared
-    ``memory``'s continuation when new (then at most G in all).
+    ``memory``'s continuation when new (then at most G in all); where
+    fewer than G, the n-grams other requests' Jacobi windows produced for
+    the root (the memory's harvest), newest first.
     ``text``: int [n] the request's text up to and with the root."""
     g, n = state.settings.guess_set_size, state.settings.ngram_size
     cands = state.pool.get(int(text[-1]))[:g]
@@ -178,19 +184,31 @@ def candidates(state: RequestState, text: np.ndarray, prompt_pool: bool,
     for cont, source in lead:
         if len(cont) == n - 1 and all(c != cont for c, _, _ in cands):
             cands = [(cont, 1, source)] + cands[: g - 1]
+    if memory is not None and state.memory_reads and len(cands) < g:
+        # room left: n-grams other requests' windows produced for the root
+        for cont in memory.ngrams(state.memory_scope, int(text[-1])):
+            if len(cands) >= g:
+                break
+            if len(cont) == n - 1 and all(c != cont for c, _, _ in cands):
+                cands.append((cont, 1, SOURCE_MEMORY))
     return cands
 
 
-def jacobi_step(state: RequestState, layout: TreeLayout, root: int, pred: np.ndarray) -> None:
-    """Harvest the window's column n-grams into the pool, then shift.
+def jacobi_step(state: RequestState, layout: TreeLayout, root: int, pred: np.ndarray,
+                memory=None) -> None:
+    """Harvest the window's column n-grams into the pool (and the shared
+    ``memory``, if the request feeds it), then shift.
 
     ``pred``: int [T] the model's argmax at every node of a tree with the
     window's nodes (``layout``) rooted at token ``root``."""
     window = state.window
     new = pred[layout.newest_level]
     if window.warm:
+        shared = memory is not None and state.memory_doc is not None
         for key, cont in window.columns(root, new):
             state.pool.add(key, cont, SOURCE_WINDOW)
+            if shared:
+                memory.add_ngram(state.memory_scope, key, cont)
     window.shift(new)
 
 
@@ -227,17 +245,19 @@ def best_confirmed(state: RequestState, layout: TreeLayout, cands,
     return draft
 
 
-def read_tree(state: RequestState, tree: PlannedTree, pred: np.ndarray) -> list[int]:
+def read_tree(state: RequestState, tree: PlannedTree, pred: np.ndarray,
+              memory=None) -> list[int]:
     """What a tree that ran tells: the window's harvest (if its nodes were
-    in the tree), then the checked chain (:func:`best_confirmed`).
+    in the tree; fed to the shared ``memory`` too), then the checked chain
+    (:func:`best_confirmed`).
     ``pred``: int [T] the model's argmax at every node of ``tree``."""
     if tree.window:
-        jacobi_step(state, tree.layout, tree.root, pred)
+        jacobi_step(state, tree.layout, tree.root, pred, memory)
     return best_confirmed(state, tree.layout, tree.cands, pred)
 
 
 def harvest(state: RequestState, plan: PlannedTree, pred: np.ndarray,
-            sampled: list[int]) -> list[int]:
+            sampled: list[int], memory=None) -> list[int]:
     """Fused mode: the checked chain from the tree that rode in this step's
     forward: tokens known to follow the sampled text (greedy: exactly), the
     last one the model's own prediction; [] if the tree rested on text vLLM
@@ -248,7 +268,7 @@ def harvest(state: RequestState, plan: PlannedTree, pred: np.ndarray,
     it: what is left after the sampled tokens (greedy: after the one token
     vLLM sampled without a draft)."""
     if plan.catch_up:
-        chain = read_tree(state, plan, pred)
+        chain = read_tree(state, plan, pred, memory)
         k = len(sampled)
         if len(chain) <= k or list(chain[:k]) != list(sampled):
             state.draft_sources = []
@@ -257,4 +277,4 @@ def harvest(state: RequestState, plan: PlannedTree, pred: np.ndarray,
         return chain[k:]
     if list(sampled) != plan.expect:
         return []
-    return read_tree(state, plan, pred)
+    return read_tree(state, plan, pred, memory)

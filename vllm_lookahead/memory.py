@@ -29,6 +29,12 @@ Layout and bounds:
   document is alive, in the same scope, and holds the key tokens there.
   Fixed size: ``len(KEY_LENS) * slots * 12`` bytes.
 
+* **harvest**: the n-grams the requests' Jacobi windows produced (a key
+  token and its ``delay - 1``-token continuation), in a set-associative
+  table of ``capacity // HARVEST_TOKENS_PER_SET`` sets of
+  :data:`HARVEST_WAYS` n-grams each, keyed by ``hash(scope, key token)``,
+  newest first; a new n-gram pushes the set's oldest out. Fixed size.
+
 With the default capacity (131072 tokens) the whole memory is about 6 MB
 (:meth:`SharedMemory.nbytes`).
 
@@ -55,6 +61,11 @@ PROMPT_TAIL = 24
 #: Documents are bounded to ``capacity // MIN_DOC_TOKENS``.
 MIN_DOC_TOKENS = 16
 
+#: The harvest table: n-grams kept per key token (the most a tree checks
+#: by default is G = 3), and tokens of capacity per set of them.
+HARVEST_WAYS = 4
+HARVEST_TOKENS_PER_SET = 32
+
 _EMPTY_SCOPE = 0
 
 #: ``SamplingParams.extra_args`` key under which the plugin hands a
@@ -70,6 +81,11 @@ def scope_of(cache_salt: str | None) -> int:
         return _EMPTY_SCOPE
     d = hashlib.blake2b(str(cache_salt).encode("utf-8"), digest_size=8).digest()
     return (int.from_bytes(d, "little") >> 1) or 1
+
+
+def _tag(scope: int, key: int) -> int:
+    """A nonzero 63-bit tag of ``(scope, key token)`` (a harvest table way)."""
+    return (hash((scope, int(key), 0x5EED)) & 0x7FFFFFFFFFFFFFFF) or 1
 
 
 class _Doc:
@@ -104,6 +120,12 @@ class SharedMemory:
         self._doc = np.full((len(KEY_LENS), slots), -1, dtype=np.int64)
         self._pos = np.zeros((len(KEY_LENS), slots), dtype=np.int32)
         self._docs: OrderedDict[int, _Doc] = OrderedDict()
+        sets = 1 << max(int(self.capacity // HARVEST_TOKENS_PER_SET - 1).bit_length(), 4)
+        self._hmask = sets - 1
+        #: per set: the (scope, key) hash of each way (0: empty) and its n-gram
+        self._htag = np.zeros((sets, HARVEST_WAYS), dtype=np.int64)
+        self._hgram = np.zeros((sets, HARVEST_WAYS, max(self.delay - 1, 1)), dtype=np.int32)
+        self.harvested = 0  # n-grams added since start (or the last clear)
         self._next_id = 0
         self.tokens = 0  # held over all documents
         self.evicted = 0  # documents evicted since start
@@ -149,8 +171,40 @@ class SharedMemory:
         if doc is not None:
             self._index(doc_id, doc, doc.n - 1)
 
+    def add_ngram(self, scope: int, key: int, cont) -> None:
+        """An n-gram a request's Jacobi window produced: ``key`` followed by
+        ``cont`` (``delay - 1`` tokens; other lengths are ignored). It
+        becomes the newest of its key's set; the oldest leaves."""
+        if len(cont) != self._hgram.shape[2]:
+            return
+        tag = _tag(scope, key)
+        row = hash((scope, int(key))) & self._hmask
+        tags, grams = self._htag[row], self._hgram[row]
+        cont = np.asarray(cont, dtype=np.int32)
+        at = HARVEST_WAYS - 1
+        for w in range(HARVEST_WAYS):
+            if tags[w] == tag and np.array_equal(grams[w], cont):
+                at = w
+                break
+        # shift ways 0..at-1 down one, the n-gram in front
+        tags[1: at + 1] = tags[:at].copy()
+        grams[1: at + 1] = grams[:at].copy()
+        tags[0], grams[0] = tag, cont
+        self.harvested += 1
+
+    def ngrams(self, scope: int, key: int) -> list[tuple[int, ...]]:
+        """The continuations of ``key`` the windows of ``scope``'s requests
+        produced, newest first (at most :data:`HARVEST_WAYS`)."""
+        tag = _tag(scope, key)
+        row = hash((scope, int(key))) & self._hmask
+        tags = self._htag[row]
+        return [tuple(self._hgram[row, w].tolist()) for w in range(HARVEST_WAYS)
+                if tags[w] == tag]
+
     def clear(self) -> None:
         """Forget everything (``reset_prefix_cache``)."""
+        self._htag.fill(0)
+        self.harvested = 0
         self._doc.fill(-1)
         self._docs.clear()
         self.tokens = 0
@@ -219,5 +273,5 @@ class SharedMemory:
 
     def nbytes(self) -> int:
         """Bytes held: the index tables and the documents' arrays."""
-        return int(self._doc.nbytes + self._pos.nbytes
+        return int(self._doc.nbytes + self._pos.nbytes + self._htag.nbytes + self._hgram.nbytes
                    + sum(d.tokens.nbytes for d in self._docs.values()))

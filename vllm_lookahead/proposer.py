@@ -252,7 +252,7 @@ class LookaheadProposer:
                 out = fused_out.get(req_id)
                 if out is not None:
                     plan, preds, r = out
-                    chain = harvest(state, plan, preds.get()[r], sampled)
+                    chain = harvest(state, plan, preds.get()[r], sampled, self.memory)
             room = min(spec_k, self.max_model_len - n_tok - 1)
             live.append(Live(i, state, n_tok, room, chain))
         self._timer.book(self.planner, t0, clean, len(live))
@@ -280,7 +280,8 @@ class LookaheadProposer:
         mem = self.memory
         d["shared_memory"] = None if mem is None else {
             "documents": len(mem), "tokens": mem.tokens, "capacity_tokens": mem.capacity,
-            "bytes": mem.nbytes(), "evicted_documents": mem.evicted}
+            "bytes": mem.nbytes(), "evicted_documents": mem.evicted,
+            "harvested_ngrams": mem.harvested}
         return d
 
     def clear_memory(self) -> bool:

@@ -272,7 +272,7 @@ class StepDrafter:
         self.stats.pass_requests += len(work)
         self.stats.lookahead_query_tokens += sum(len(tree.tokens) for _, tree in work)
         for (r, tree), pred in zip(work, preds):
-            drafts[r.i] = read_tree(r.state, tree, pred)
+            drafts[r.i] = read_tree(r.state, tree, pred, self.memory)
             r.state.draft_checked = True
         return not use_window
 
