@@ -47,8 +47,8 @@ def test_defaults_valid():
     assert cfg.disable_batch_size is None  # never: the planner decides
     assert cfg.prompt_pool is True
     assert cfg.seed == 0
-    assert cfg.lookup_len == 16 and cfg.max_draft_len == max(cfg.ngram_size, cfg.lookup_len)
-    assert LookaheadConfig(lookup_len=0).max_draft_len == cfg.ngram_size
+    assert cfg.lookup_len == 0 and cfg.max_draft_len == cfg.ngram_size
+    assert LookaheadConfig(lookup_len=16).max_draft_len == 16
     assert cfg.mode == "fused"
     assert cfg.adaptive is True
     assert cfg.cost_model == "auto"

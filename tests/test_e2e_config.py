@@ -29,14 +29,14 @@ def test_engine_args_accept_lookahead(tiny_model_path):
     sc = cfg.speculative_config
     assert sc.method == "custom_class"
     assert sc.model == "vllm_lookahead.proposer.LookaheadProposer"
-    # the longest draft: an unchecked lookup of lookup_len (16) tokens
-    # (a tree's: its confirmed (N-1)-gram + the next token, N)
-    assert sc.num_speculative_tokens == 16
+    # the longest draft: a tree's (its confirmed (N-1)-gram + the next
+    # token, N); an unchecked lookup of lookup_len (default 0: N) no longer
+    assert sc.num_speculative_tokens == 3
     assert cfg.additional_config["lookahead"] == {
         "ngram_size": 3, "window_size": 2, "guess_set_size": 1, "prompt_pool": True, "seed": 0,
         "mode": "fused", "max_tree_tokens": 0, "disable_batch_size": None,
         "adaptive": True, "cost_model": "auto", "shared_memory": True, "memory_tokens": 131072,
-        "lookup_len": 16,
+        "lookup_len": 0,
     }
     assert args.speculative_config == spec  # the user's dict is left as given
 

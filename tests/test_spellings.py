@@ -17,15 +17,15 @@ from vllm_lookahead.spellings import PROPOSER_QUALNAME
 
 #: (EngineArgs keyword arguments, expected N, expected draft length)
 ENGINE_SPELLINGS = [
-    (dict(speculative_config={"method": "lookahead", "ngram_size": 3}), 3, 16),
-    (dict(speculative_config={"method": "[lookahead]"}), 4, 16),
-    (dict(speculative_config={"model": "[lookahead]", "ngram_size": 5, "lookup_len": 0}), 5, 5),
+    (dict(speculative_config={"method": "lookahead", "ngram_size": 3}), 3, 3),
+    (dict(speculative_config={"method": "[lookahead]"}), 4, 4),
+    (dict(speculative_config={"model": "[lookahead]", "ngram_size": 5, "lookup_len": 16}), 5, 16),
     (dict(speculative_config={"model": "lookahead", "num_speculative_tokens": 2}), 4, 2),
-    (dict(spec_model="[lookahead]"), 4, 16),
+    (dict(spec_model="[lookahead]"), 4, 4),
     (dict(spec_model="[lookahead]", spec_tokens=2,
           speculative_config={"ngram_size": 3, "window_size": 2}), 3, 2),
     (dict(spec_method="lookahead", spec_tokens=3), 4, 3),
-    (dict(spec_method="lookahead", speculative_config={"guess_set_size": 2}), 4, 16),
+    (dict(spec_method="lookahead", speculative_config={"guess_set_size": 2}), 4, 4),
 ]
 
 #: (EngineArgs keyword arguments, words the error must contain)
@@ -37,7 +37,7 @@ ENGINE_ERRORS = [
     (dict(spec_method="lookahead", spec_tokens=2,
           speculative_config={"num_speculative_tokens": 2}),
      ["--spec-tokens", "mutually exclusive"]),
-    (dict(spec_model="[lookahead]", spec_tokens=17), ["--spec-tokens", "max(ngram_size, lookup_len)"]),
+    (dict(spec_model="[lookahead]", spec_tokens=5), ["--spec-tokens", "max(ngram_size, lookup_len)"]),
     (dict(spec_method="lookahead", spec_model="some/draft-model"),
      ["--spec-model", "no draft model"]),
     (dict(spec_method="ngram", spec_model="[lookahead]"), ["[lookahead]", "'ngram'"]),
@@ -116,14 +116,14 @@ def _config_from_cli(parser, model, argv):
 CLI_SPELLINGS = [
     # The project card's command, N/W/G still in --speculative-config.
     (["--speculative-model", "[lookahead]", "--speculative-config",
-      '{"ngram_size": 3, "window_size": 2, "guess_set_size": 2}'], 3, 16),
-    (["--speculative-model", "[lookahead]"], 4, 16),
+      '{"ngram_size": 3, "window_size": 2, "guess_set_size": 2}'], 3, 3),
+    (["--speculative-model", "[lookahead]"], 4, 4),
     (["--speculative_model", "[lookahead]", "--spec-tokens", "2"], 4, 2),
-    (["--spec-model", "[lookahead]"], 4, 16),
+    (["--spec-model", "[lookahead]"], 4, 4),
     (["--spec-method", "lookahead", "--spec-tokens", "3"], 4, 3),
-    (["--speculative-config", '{"method": "lookahead", "ngram_size": 5}'], 5, 16),
-    (["-sc", '{"model": "[lookahead]", "lookup_len": 0}'], 4, 4),
-    (["--speculative-config.method", "lookahead", "--speculative-config.ngram_size", "3"], 3, 16),
+    (["--speculative-config", '{"method": "lookahead", "ngram_size": 5}'], 5, 5),
+    (["-sc", '{"model": "[lookahead]", "lookup_len": 24}'], 4, 24),
+    (["--speculative-config.method", "lookahead", "--speculative-config.ngram_size", "3"], 3, 3),
 ]
 
 

@@ -88,7 +88,9 @@ class LookaheadConfig:
             picks each step's length up to it from the measured
             acceptance and cost; vLLM's ``num_speculative_tokens``
             defaults to ``max(ngram_size, lookup_len)``. 0 = N (the
-            lookups draft no further than the trees). Range 0..64.
+            lookups draft no further than the trees), the default: on the
+            CPUs measured, drafts past N lost more often than they gained,
+            under sampling most (README, benchmark results). Range 0..64.
 
     The defaults (N, W, G) = (4, 3, 3) are the fastest measured on a 2-core
     CPU (bfloat16, SmolLM2-135M, HumanEval and MT-Bench): there every query
@@ -107,7 +109,7 @@ class LookaheadConfig:
     cost_model: str = "auto"
     shared_memory: bool = True
     memory_tokens: int = 131072
-    lookup_len: int = 16
+    lookup_len: int = 0
 
     _RANGES = {
         "ngram_size": (2, 16),
@@ -222,7 +224,7 @@ class RequestSettings:
     window_size: int = 3
     guess_set_size: int = 3
     #: longest unchecked draft (0: N; ``LookaheadConfig.lookup_len``)
-    lookup_len: int = 16
+    lookup_len: int = 0
     #: reads and feeds the engine's shared memory (``LookaheadConfig.shared_memory``)
     shared_memory: bool = True
 
