@@ -89,8 +89,8 @@ class LookaheadConfig:
             acceptance and cost; vLLM's ``num_speculative_tokens``
             defaults to ``max(ngram_size, lookup_len)``. 0 = N (the
             lookups draft no further than the trees), the default: on the
-            CPUs measured, drafts past N lost more often than they gained,
-            under sampling most (README, benchmark results). Range 0..64.
+            CPUs measured, drafts past N gained nothing measurable (README,
+            benchmark results). Range 0..64.
 
     The defaults (N, W, G) = (4, 3, 3) are the fastest measured on a 2-core
     CPU (bfloat16, SmolLM2-135M, HumanEval and MT-Bench): there every query
