@@ -29,6 +29,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from vllm_lookahead.stats import get_lookahead_stats
+
 from tests.engine_utils import (
     LOOKAHEAD,
     engine,
@@ -299,10 +301,13 @@ def lookahead_run(smollm2_path, prompt):
         for name, seed0, sampling in arms:
             flush(llm)
             before = proposer(llm).get_stats()
+            plain0 = get_lookahead_stats(llm)["plain_sampler_steps"]
             samples[name] = _sample(llm, prompt, N_LOOKAHEAD, seed0, **sampling)
             flush(llm)
             after = proposer(llm).get_stats()
             delta[name] = {k: after[k] - before[k] for k in keys}
+            delta[name]["plain_sampler_steps"] = (get_lookahead_stats(llm)["plain_sampler_steps"]
+                                                  - plain0)
             delta[name]["accepted_memory"] = (after["accepted_by_source"]["memory"]
                                               - before["accepted_by_source"]["memory"])
     return {"samples": samples, "stats": after, "delta": delta}
@@ -355,6 +360,15 @@ def test_lookahead_accepts_drafts_while_sampling(lookahead_run, variant):
 
 
 @pytest.mark.e2e
+def test_steps_without_drafts_use_the_plain_sampler(lookahead_run):
+    """Steps in which no request drafts (at least each sample's first token)
+    were sampled by vLLM's plain sampler (patches, 14), the others by the
+    rejection sampler: the distribution tests above cover both."""
+    for v in (*VARIANTS, SEEDED):
+        d = lookahead_run["delta"][v]
+        assert d["plain_sampler_steps"] > 0, v
+
+
 def test_unseeded_samples_draft_from_each_other(lookahead_run):
     """The unseeded arms above drafted from the shared memory (the other
     samples' text), and some of it was accepted: the distribution test ran

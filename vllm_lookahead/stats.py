@@ -135,7 +135,12 @@ def worker_stats(worker) -> dict | None:
     """Runs inside a vLLM worker: installed as ``WorkerBase.lookahead_stats``
     by :mod:`vllm_lookahead.patches` and called through ``collective_rpc``."""
     get = getattr(worker_drafter(worker), "get_stats", None)
-    return get() if get is not None else None
+    if get is None:
+        return None
+    stats = get()
+    # steps sampled by vLLM's plain sampler, no request drafting (patch 14)
+    stats["plain_sampler_steps"] = getattr(worker.model_runner, "lookahead_plain_samples", 0)
+    return stats
 
 
 def get_lookahead_stats(llm) -> dict:
