@@ -318,7 +318,8 @@ def child_main(config_path: str, result_path: str) -> int:
                 speculative_config=cfg["spec"],
                 enforce_eager=cfg.get("enforce_eager", True),
                 max_model_len=cfg["max_model_len"],
-                max_num_seqs=max(cfg["batch_sizes"]),
+                # a request with n samples is n sequences, run batched
+                max_num_seqs=max(cfg["batch_sizes"]) * int((cfg.get("sampling") or {}).get("n", 1)),
                 kv_cache_memory_bytes=cfg["kv_cache_bytes"],
                 seed=0,
                 disable_log_stats=False,

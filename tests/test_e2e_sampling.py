@@ -286,7 +286,8 @@ def vanilla_samples(smollm2_path, prompt):
 
 @pytest.fixture(scope="module")
 def lookahead_run(smollm2_path, prompt):
-    keys = ("drafts", "draft_tokens", "accepted_tokens", "decode_steps", "plain_sampler_steps")
+    keys = ("drafts", "draft_tokens", "accepted_tokens", "decode_steps", "plain_sampler_steps",
+            "verify_top_p_rows", "verify_top_p_fallback_rows")
     samples, delta = {}, {}
     with engine(smollm2_path, LOOKAHEAD, max_num_seqs=MAX_NUM_SEQS) as llm:
         if rejection_expand_is_broken():
@@ -364,6 +365,18 @@ def test_steps_without_drafts_use_the_plain_sampler(lookahead_run):
     for v in (*VARIANTS, SEEDED):
         d = lookahead_run["delta"][v]
         assert d["plain_sampler_steps"] > 0, v
+
+
+@pytest.mark.e2e
+def test_draft_rows_take_top_p_without_sorting(lookahead_run):
+    """The top-k/top-p arm's draft rows went through the CPU verifier's
+    top-p (patches, 15), most of them decided without vLLM's sort: the
+    distribution test above covers it. The arms without top-p never call
+    it."""
+    d = lookahead_run["delta"]["t1-topk-topp"]
+    assert d["verify_top_p_rows"] > 0, d
+    assert d["verify_top_p_fallback_rows"] < d["verify_top_p_rows"], d
+    assert lookahead_run["delta"]["t1"]["verify_top_p_rows"] == 0
 
 
 @pytest.mark.e2e

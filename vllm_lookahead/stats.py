@@ -140,6 +140,12 @@ def worker_stats(worker) -> dict | None:
     stats = get()
     # steps sampled by vLLM's plain sampler, no request drafting (patch 14)
     stats["plain_sampler_steps"] = getattr(worker.model_runner, "lookahead_plain_samples", 0)
+    # draft rows whose top-p the CPU verifier decided, and those it left to
+    # vLLM's sort (patch 15; 0 off the CPU platform)
+    from vllm_lookahead.cpu_sampling import COUNTS
+
+    stats["verify_top_p_rows"] = COUNTS.rows
+    stats["verify_top_p_fallback_rows"] = COUNTS.fallback_rows
     return stats
 
 
