@@ -235,6 +235,36 @@ def test_unchecked_rate_learns_from_text():
     assert acc.unchecked["suffix4"].p == before
 
 
+def test_a_lookup_not_drafted_is_scored_on_all_its_tokens():
+    """A step without a draft produces one token; the lookup made before
+    it is scored on the tokens of the next steps too, until its first
+    mismatch or its end, and one at a time (lookups made meanwhile are
+    not scored)."""
+    acc = RequestAcceptance(AcceptancePrior(max_cands=4))
+    r = acc.unchecked["suffix4"]
+    h0, m0 = r.hits, r.misses
+    acc.observe_unchecked([5, 6, 7], [5])  # open: 1 of 3 so far
+    acc.observe_unchecked([6, 7, 8], [6])  # scored on the open one
+    assert (r.hits, r.misses) == (h0, m0) and acc.seen == 0
+    acc.observe_unchecked([7, 8, 9], [7])  # all 3 right: closed
+    assert acc.seen == 1
+    assert r.hits == pytest.approx(h0 * acc.keep + 3) and r.misses == pytest.approx(m0 * acc.keep)
+    acc.observe_unchecked([1, 2, 3], [1])
+    acc.observe_unchecked([], [9])  # second token wrong: 1 hit, a miss
+    assert acc.seen == 2
+    assert r.hits == pytest.approx((h0 * acc.keep + 3) * acc.keep + 1)
+    # a first token right half the time and the next ones always (a copy
+    # of earlier text): judged on first tokens alone, p would be 0.5
+    acc = RequestAcceptance(AcceptancePrior(max_cands=4))
+    for i in range(200):
+        first = 1 if i % 2 else 0
+        acc.observe_unchecked([1, 2, 3, 4], [first])
+        if first:
+            for t in (2, 3, 4):
+                acc.observe_unchecked([], [t])
+    assert acc.unchecked["suffix4"].p > 0.7
+
+
 def test_lookup_kinds_are_learnt_apart():
     # a 4-token suffix match is right, the pool's one-token guess is not
     acc = RequestAcceptance(AcceptancePrior(max_cands=4))

@@ -5,10 +5,12 @@ Per request, running estimates of the tokens a step gains from
 * an **unchecked draft** (prompt lookup: the continuation of the text's
   longest earlier-seen suffix, or the pool's guess): the chance ``p`` that
   each next draft token is accepted (geometric), so a draft of length k gains
-  ``p + p^2 + ... + p^k`` tokens. It is updated from the text itself on
-  every step, whatever ran: the proposer looks the draft up anyway and
-  compares it with the tokens that came out (:meth:`RequestAcceptance.
-  observe_unchecked`), so it never goes stale;
+  ``p + p^2 + ... + p^k`` tokens. It is updated from the text itself,
+  whatever ran: the proposer looks the draft up anyway and compares it
+  with the tokens that come out, over as many steps as its length needs
+  (:meth:`RequestAcceptance.observe_unchecked`), so it never goes stale
+  and a lookup that was not drafted is judged on all its tokens, not on
+  the first one alone;
 * a **tree** with ``g`` candidates and the Jacobi window on or off: the
   candidate tokens the model confirms, ``m``. One tree with G candidates
   tells what every g <= G would have confirmed (the best of the first g);
@@ -197,6 +199,11 @@ class RequestAcceptance:
         self.tree_window = prior.tree_window
         #: Unchecked lookups compared with the tokens that came.
         self.seen = 0
+        #: The lookup being scored (:meth:`observe_unchecked`), its kind and
+        #: its tokens matched so far.
+        self._probe: list | None = None
+        self._probe_kind = "suffix4"
+        self._probe_hits = 0
         #: Trees this request ran, and steps since its last one.
         self.tree_runs = 0
         self.since_tree = 0
@@ -223,18 +230,38 @@ class RequestAcceptance:
     # -- what the proposer reports ---------------------------------------------
     def observe_unchecked(self, draft, produced, kind: str = "suffix4") -> None:
         """The unchecked draft looked up before a step (``kind`` of lookup:
-        :data:`LOOKUP_KINDS`), and the tokens the step produced (whatever
-        was drafted): each matching token is a hit; a mismatch within what
-        was produced is a miss."""
-        n = min(len(draft), len(produced))
-        if n == 0:
-            return
-        self.seen += 1
-        hits = 0
-        while hits < n and draft[hits] == produced[hits]:
+        :data:`LOOKUP_KINDS`; empty: none), and the tokens the step
+        produced (whatever was drafted).
+
+        A lookup is scored against the text over as many steps as its
+        length needs (a *probe*; one at a time, lookups made while one is
+        open are not scored): each matching token is a hit, the first
+        mismatch a miss and the end of the probe. Scored against one step's
+        tokens alone, a lookup the planner did not draft would be judged
+        on its first token only (a step without a draft produces one), and
+        the planner would project a long draft from first tokens, which
+        are accepted less often than the tokens after an accepted one."""
+        if self._probe is None:
+            if not draft:
+                return
+            self._probe, self._probe_kind, self._probe_hits = list(draft), kind, 0
+        probe, hits = self._probe, self._probe_hits
+        for tok in produced:
+            if tok != probe[hits]:
+                self._end_probe(hits, True)
+                return
             hits += 1
+            if hits == len(probe):
+                self._end_probe(hits, False)
+                return
+        self._probe_hits = hits
+
+    def _end_probe(self, hits: int, missed: bool) -> None:
+        kind = self._probe_kind
+        self._probe = None
+        self.seen += 1
         rate = self.unchecked[kind]
-        rate.add(hits, hits < n, self.keep)
+        rate.add(hits, missed, self.keep)
         self.prior.learn_unchecked(kind, rate.p)
 
     def observe_checked(self, drafted: int, accepted: int) -> None:

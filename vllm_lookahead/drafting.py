@@ -110,8 +110,7 @@ def account(state: RequestState, stats, sampled: list[int], num_tokens: int) -> 
         st.planned_gain += state.draft_expect
         st.planned_gain_seen += accepted
         state.acc.prior.calibrate(state.draft_expect, accepted)
-    if state.lookup:
-        state.acc.observe_unchecked(state.lookup, sampled, state.lookup_kind)
+    state.acc.observe_unchecked(state.lookup, sampled, state.lookup_kind)
     state.draft_sources, state.lookup, state.draft_checked = [], [], False
     state.draft_expect = None
 
