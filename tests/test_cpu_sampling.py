@@ -31,10 +31,10 @@ def lm_like(rows: int, seed: int, bf16: bool = False) -> torch.Tensor:
     return x.bfloat16().float() if bf16 else x
 
 
-def check(logits, k, p, **kw) -> TopPCounts:
+def check(logits, k, p) -> TopPCounts:
     counts = TopPCounts()
     want = vllm_top_k_top_p(logits.clone(), None if k is None else k.clone(), p)
-    got = top_k_top_p_rows(logits.clone(), k, p, vllm_top_k_top_p, counts, **kw)
+    got = top_k_top_p_rows(logits.clone(), k, p, vllm_top_k_top_p, counts)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.equal(got, want)
     assert counts.rows == logits.shape[0]

@@ -52,7 +52,7 @@ MARGIN = 1e-4
 
 @dataclass
 class TopPCounts:
-    """Rows seen by :func:`top_p_rows` and rows left to the fallback."""
+    """Rows seen by :func:`top_k_top_p_rows` and rows left to the fallback."""
 
     rows: int = 0
     fallback_rows: int = 0

@@ -540,6 +540,7 @@ def _cheap_cpu_verification() -> None:
 
     if not current_platform.is_cpu():
         return
+    import torch
     from vllm.v1.sample import rejection_sampler as rs
 
     from vllm_lookahead.cpu_sampling import COUNTS, exponential_rows, top_k_top_p_rows
@@ -555,8 +556,6 @@ def _cheap_cpu_verification() -> None:
     def sample_recovered_tokens(max_spec_len, num_draft_tokens, cu_num_draft_tokens,
                                 draft_token_ids, draft_probs, target_probs,
                                 sampling_metadata, device, use_fp64_gumbel=False):
-        import torch
-
         q = exponential_rows(num_draft_tokens, target_probs.shape[-1],
                              sampling_metadata.generators,
                              torch.float64 if use_fp64_gumbel else torch.float32, device)
