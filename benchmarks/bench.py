@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seeded sampling: prompt i of a set gets seed BASE + n*i (its n "
                         "samples seed+0..n-1, same in every pass and engine) "
                         "(default: unseeded)")
+    p.add_argument("--engine-seed", type=int, default=0, metavar="S",
+                   help="every engine's seed (vLLM's LLM(seed=...)): unseeded samples "
+                        "come from the engine's random stream, so with one seed every "
+                        "run draws the same samples for a method; vary it across runs "
+                        "to average over sample lengths (default 0)")
     p.add_argument("--repeat", type=int, default=1, metavar="R",
                    help="run each set R times in a row within the section (the same "
                         "prompts again later in the run); the table adds pass 1 and "

@@ -321,7 +321,7 @@ def child_main(config_path: str, result_path: str) -> int:
                 # a request with n samples is n sequences, run batched
                 max_num_seqs=max(cfg["batch_sizes"]) * int((cfg.get("sampling") or {}).get("n", 1)),
                 kv_cache_memory_bytes=cfg["kv_cache_bytes"],
-                seed=0,
+                seed=int(cfg.get("engine_seed", 0)),
                 disable_log_stats=False,
             )
             result["engine_start_s"] = time.perf_counter() - started

@@ -257,6 +257,7 @@ def child_config(args: argparse.Namespace, path: Path | None, dtype: str,
         "queue": args.queue,
         "sampling": sampling_settings(args),
         "repeat": getattr(args, "repeat", 1),
+        "engine_seed": getattr(args, "engine_seed", 0),
         "structured": bool(getattr(args, "structured", False)),
         "structured_schema": template_schema() if getattr(args, "structured", False) else None,
     }

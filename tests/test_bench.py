@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -500,6 +501,8 @@ def test_shared_memory_flags() -> None:
         methods.parse_method("la:mem,nomem")
     with pytest.raises(methods.MethodSpecError, match="given twice"):
         methods.parse_method("la:nomem,shared_memory=true")
+    assert methods.parse_method("la:noparent").spec == {"method": "lookahead",
+                                                       "parent_latency": False}
 
 
 def test_unavailable_suffix_is_skipped_with_a_line(capsys) -> None:
@@ -551,6 +554,43 @@ def test_sampling_options_reach_the_requests() -> None:
     assert child.structured_for(cfg, "mtbench") is None
     title = report._plot_title({"args": vars(args)})
     assert "T 0.8, top-p 0.95, n 3, seed 10, repeat 2, structured JSON, 16 new tokens" in title
+    assert cfg["engine_seed"] == 0
+    args = bench.build_parser().parse_args(["--engine-seed", "7"])
+    cfg = engines.child_config(args, Path("/m"), "bfloat16", methods.parse_method("la"))
+    assert cfg["engine_seed"] == 7
+
+
+def test_combine_takes_geometric_means_over_runs(tmp_path, capsys) -> None:
+    import combine
+
+    def run(seed, ratios, tokens):
+        rows = []
+        for ds in ("humaneval", "mtbench"):
+            for m, r in ratios.items():
+                rows.append({"model": "smollm2", "dtype": "bfloat16", "dataset": ds,
+                             "batch_size": 1, "temperature": 0.8, "top_p": 0.95, "n": 4,
+                             "seed": None, "repeat": 1, "structured": False, "method": m,
+                             "ratio": r, "step_compression": 1.0 + (r > 1),
+                             "output_tokens": tokens})
+        rows.append({**rows[-1], "method": "broken", "ratio": None, "error": "boom"})
+        return {"meta": {"args": {"engine_seed": seed}}, "rows": rows}
+
+    files = []
+    for seed, (r, tok) in enumerate([(0.5, 900), (2.0, 1000)]):
+        f = tmp_path / f"s{seed}.json"
+        f.write_text(json.dumps(run(seed, {"vanilla": 1.0, "la": r}, tok)))
+        files.append(str(f))
+    out = tmp_path / "c.json"
+    assert combine.main(files + ["--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["dataset"], r["method"]) for r in rows] == [
+        ("humaneval", "vanilla"), ("humaneval", "la"), ("mtbench", "vanilla"), ("mtbench", "la")]
+    la = rows[1]
+    assert la["runs"] == 2 and la["engine_seeds"] == [0, 1]
+    assert la["ratio"] == pytest.approx(1.0)  # sqrt(0.5 * 2)
+    assert la["ratio_se"] == pytest.approx(math.log(4) / math.sqrt(2) / math.sqrt(2))
+    assert la["output_tokens"] == 950 and la["step_compression"] == 1.5
+    assert "la " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
