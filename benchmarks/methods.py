@@ -48,6 +48,8 @@ _LA_FLAGS = {
     # the n-gram memory shared across requests (engine setting shared_memory)
     "mem": ("shared_memory", True),
     "nomem": ("shared_memory", False),
+    # the n samples of a request planned for their own tokens, not the parent's end
+    "noparent": ("parent_latency", False),
 }
 
 

@@ -53,8 +53,10 @@ def test_defaults_valid():
     assert cfg.adaptive is True
     assert cfg.cost_model == "auto"
     assert cfg.shared_memory is True and cfg.memory_tokens == 131072
+    assert cfg.parent_latency is True
     assert set(cfg.field_names()) == set(RANGES) | {"prompt_pool", "mode", "adaptive",
-                                                    "cost_model", "shared_memory"}
+                                                    "cost_model", "shared_memory",
+                                                    "parent_latency"}
     assert LookaheadConfig.from_dict(cfg.to_dict()) == cfg
 
 

@@ -224,6 +224,38 @@ def test_planner_follows_the_cost_curve_and_stays_exact(smollm2_path, prompts, v
         assert arms["pool"] > 0 and st["accepted_tokens"] > 0, arms
 
 
+@pytest.mark.parametrize("parent", [True, False])
+def test_n_samples_are_planned_for_their_parent(smollm2_path, prompts, vanilla, tmp_path,
+                                                parent):
+    """The samples of an ``n`` > 1 request reach the proposer as siblings
+    (vLLM's child ids): with ``parent_latency`` (the default) those not last
+    to end are planned at a batch slot's worth (``sibling_ahead_steps``);
+    off, never. Separate requests are never siblings; greedy output next to
+    them stays exact."""
+    from vllm import SamplingParams
+
+    spec = {**LOOKAHEAD, "adaptive": True, "parent_latency": parent,
+            "cost_model": _curve_file(tmp_path, "steep", 0.25)}
+    with engine(smollm2_path, spec, max_num_seqs=16) as llm:
+        generate_ids(llm, prompts[:3], _params(), batch=True)
+        flush(llm)
+        apart = proposer(llm).get_stats()["sibling_ahead_steps"]
+        outs = llm.generate(prompts[:2] + prompts[:1],
+                            [SamplingParams(temperature=0.8, top_p=0.95, n=3,
+                                            max_tokens=MAX_TOKENS)] * 2 + [_params()],
+                            use_tqdm=False)
+        flush(llm)
+        st = proposer(llm).get_stats()
+    assert apart == 0
+    assert [len(o.outputs) for o in outs] == [3, 3, 1]
+    assert all(0 < len(c.token_ids) <= MAX_TOKENS for o in outs[:2] for c in o.outputs)
+    _same([list(outs[2].outputs[0].token_ids)], vanilla[:1])
+    if parent:
+        assert st["sibling_ahead_steps"] > 0, st
+    else:
+        assert st["sibling_ahead_steps"] == 0, st
+
+
 def test_quiet_batches_skip_the_work_and_stay_exact(smollm2_path, prompts, vanilla, tmp_path):
     """Where every extra query token costs more than a step's worth of
     tokens, no draft can pay at any batch size: the proposer skips its

@@ -245,6 +245,9 @@ VARIANTS = {
     "t1-topk-topp": dict(temperature=1.0, top_k=20, top_p=0.9),
 }
 SEEDED = "t1-seeded"
+#: Lookahead's samples drawn as the n samples of requests (``n`` = 8, run
+#: by vLLM as child requests of one parent); compared with vanilla's "t1".
+SIBLINGS = "t1-n8"
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +267,15 @@ def _sample(llm, prompt, n: int, seed0: int | None, **sampling) -> list[tuple[in
     ]
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
     return [tuple(o.outputs[0].token_ids) for o in outs]
+
+
+def _sample_siblings(llm, prompt, n: int, per_request: int,
+                     **sampling) -> list[tuple[int, ...]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, n=per_request, **sampling)
+    outs = llm.generate([prompt] * (n // per_request), params, use_tqdm=False)
+    return [tuple(c.token_ids) for o in outs for c in o.outputs]
 
 
 def _warm_prefix_cache(llm, prompt) -> None:
@@ -299,10 +311,14 @@ def lookahead_run(smollm2_path, prompt):
         _warm_prefix_cache(llm, prompt)
         arms = [(name, None, sampling) for name, sampling in VARIANTS.items()]
         arms.append((SEEDED, SEED_LOOKAHEAD, VARIANTS["t1"]))
+        arms.append((SIBLINGS, None, VARIANTS["t1"]))
         for name, seed0, sampling in arms:
             flush(llm)
             before = get_lookahead_stats(llm)
-            samples[name] = _sample(llm, prompt, N_LOOKAHEAD, seed0, **sampling)
+            if name == SIBLINGS:
+                samples[name] = _sample_siblings(llm, prompt, N_LOOKAHEAD, 8, **sampling)
+            else:
+                samples[name] = _sample(llm, prompt, N_LOOKAHEAD, seed0, **sampling)
             flush(llm)
             after = get_lookahead_stats(llm)
             delta[name] = {k: after[k] - before[k] for k in keys}
@@ -331,10 +347,10 @@ def test_control_temperature_0_7_is_rejected(vanilla_samples):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("variant", [*VARIANTS, SEEDED])
+@pytest.mark.parametrize("variant", [*VARIANTS, SEEDED, SIBLINGS])
 def test_lookahead_sampling_matches_vanilla(lookahead_run, vanilla_samples, variant):
     la = lookahead_run["samples"][variant]
-    va = vanilla_samples["t1" if variant == SEEDED else variant]
+    va = vanilla_samples[variant if variant in VARIANTS else "t1"]
     assert len(la) == N_LOOKAHEAD and all(len(s) >= 1 for s in la)
     pvalues = position_pvalues(la, va, MAX_TOKENS)
     assert bonferroni(pvalues) > ALPHA, _describe(la, va, pvalues)

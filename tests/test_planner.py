@@ -667,3 +667,48 @@ def test_exploration_is_bounded_priced_and_stops_once_learnt():
     before = planner.explored
     assert all(planner.plan([v], explore=True)[0] == OFF for _ in range(400))
     assert planner.explored == before
+
+
+# -- samples of one parent ----------------------------------------------------------
+def test_sibling_weights_count_only_the_last_sample_in_full():
+    from vllm_lookahead.planner import sibling_weights
+
+    # two parents: "a" has a unique laggard (20 left), "b" two tied at 30;
+    # a lone request and an uncapped sample count in full
+    groups = ["a", "a", "a", "b", "b", None, "c", "c"]
+    remaining = [20, 12, 19, 30, 30, 5, None, 3]
+    w = sibling_weights(groups, remaining, 0.3)
+    assert w == [1.0, 0.3, 0.3, 0.3, 0.3, 1.0, 1.0, 1.0]
+    # a parent with one live sample left: that sample counts in full
+    assert sibling_weights(["a"], [7], 0.3) == [1.0]
+
+
+def test_slot_value_is_the_marginal_request_at_the_plain_rate():
+    def fn(total):  # a step of b requests costs 1 + 0.1 (b - 1) plain steps
+        return 1.0 + 0.1 * (total - 1)
+
+    planner = Planner(CostModel(curve_from(fn, tokens=(1, 2, 4))))
+    assert planner.slot_value(1) == 1.0
+    # b (c(b) - c(b-1)) / c(b) = 4 * 0.1 / 1.3
+    assert planner.slot_value(4) == pytest.approx(4 * 0.1 / 1.3, rel=1e-3)
+    # a flat machine: a sample ahead frees nothing
+    assert Planner(model(gpu)).slot_value(4) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_sample_ahead_of_its_siblings_drafts_only_where_a_slot_pays():
+    """Two samples of one parent at batch 2 on a machine where a draft token
+    costs a fifth of a step: the one with the most tokens left drafts, the one
+    ahead (its gain only frees its slot early) does not."""
+    def fn(total):
+        return 1.0 + 0.2 * (total - 2) if total > 2 else 1.0 + 0.1 * (total - 1)
+
+    planner = Planner(CostModel(curve_from(fn, batches=(1, 2, 4), tokens=(1, 2, 4, 8))))
+    acc = acceptance(p_unchecked=0.6, tree_by_g=[0.0] * 8, window_extra=0.0)
+    full = planner.plan([view(acc, unchecked=4, g=0, trees=False),
+                         view(acc, unchecked=4, g=0, trees=False)])
+    assert [s.kind for s in full] == ["draft", "draft"]
+    w = planner.slot_value(2)
+    assert 0.0 < w < 0.5
+    lag, ahead = planner.plan([view(acc, unchecked=4, g=0, trees=False, weight=1.0),
+                               view(acc, unchecked=4, g=0, trees=False, weight=w)])
+    assert lag.kind == "draft" and ahead == OFF

@@ -91,6 +91,15 @@ class LookaheadConfig:
             lookups draft no further than the trees), the default: on the
             CPUs measured, drafts past N gained nothing measurable (README,
             benchmark results). Range 0..64.
+        parent_latency: plan the n samples of one request
+            (``SamplingParams.n``, best-of-n, rollouts) for the request's
+            latency: vLLM answers it when its last sample ends, so a token
+            gained by a sample that is not the last to end is worth only
+            the batch slot it frees a step early (the measured cost one
+            request adds to a step); the last one is planned as a lone
+            request (:func:`~vllm_lookahead.planner.sibling_weights`).
+            False: every sample is planned for its own tokens (where a
+            queue refills a freed slot at once, throughput may prefer it).
 
     The defaults (N, W, G) = (4, 3, 3) are the fastest measured on a 2-core
     CPU (bfloat16, SmolLM2-135M, HumanEval and MT-Bench): there every query
@@ -110,6 +119,7 @@ class LookaheadConfig:
     shared_memory: bool = True
     memory_tokens: int = 131072
     lookup_len: int = 0
+    parent_latency: bool = True
 
     _RANGES = {
         "ngram_size": (2, 16),

@@ -93,6 +93,8 @@ class RequestView:
         lookup_kind: its kind (``acceptance.LOOKUP_KINDS``).
         trees: whether a tree may run (False: per-request or seeded).
         fixed: plan this request with exactly this shape (no search).
+        weight: what a token the request gains beyond its one is worth, in
+            tokens of the step (:func:`sibling_weights`; 1: all of it).
     """
 
     acc: RequestAcceptance
@@ -105,6 +107,44 @@ class RequestView:
     lookup_kind: str = "suffix4"
     trees: bool = True
     fixed: Shape | None = None
+    weight: float = 1.0
+
+
+def sibling_weights(groups: list, remaining: list, slot_value: float) -> list[float]:
+    """What a gained token is worth to each request of a step whose
+    requests may be the n samples of one parent request (vLLM answers the
+    parent when its last sample ends).
+
+    A sample that is not the unique laggard of its parent's live samples
+    (the most tokens left to its ``max_tokens``, strictly more than every
+    sibling) ends no sooner for the parent when it gains a token: the gain
+    only frees its batch slot a step earlier, worth ``slot_value`` tokens
+    (:meth:`Planner.slot_value`). The unique laggard's tokens, and those of
+    a request without live siblings or without an output cap, are worth 1.
+
+    Args:
+        groups: per request, its parent (None: not one of n samples).
+        remaining: per request, tokens left to its ``max_tokens`` (None:
+            no cap).
+        slot_value: the worth of a token of a sample ahead, in [0, 1].
+
+    Returns:
+        per request, its weight (``RequestView.weight``).
+    """
+    members: dict = {}
+    for r, g in enumerate(groups):
+        if g is not None:
+            members.setdefault(g, []).append(r)
+    out = [1.0] * len(groups)
+    for rows in members.values():
+        if len(rows) < 2 or any(remaining[r] is None for r in rows):
+            continue
+        top = max(remaining[r] for r in rows)
+        lead = [r for r in rows if remaining[r] == top]
+        for r in rows:
+            if not (len(lead) == 1 and r == lead[0]):
+                out[r] = slot_value
+    return out
 
 
 @dataclass(frozen=True)
@@ -295,6 +335,20 @@ class Planner:
                 best, best_rate = k, rate
         return best
 
+    def slot_value(self, batch: int) -> float:
+        """What a request's token is worth, in tokens of a ``batch``-request
+        step, when it only frees the request's batch slot a step earlier
+        (:func:`sibling_weights`): the seconds one request adds to a plain
+        step at that size, at the plain step's tokens per second,
+        ``b * (c(b) - c(b-1)) / c(b)``; 1 for a lone request."""
+        if batch <= 1:
+            return 1.0
+        c = self.cost.predict(batch, 1.0, tree=False)
+        c_less = self.cost.predict(batch - 1, 1.0, tree=False)
+        if c <= 0:
+            return 1.0
+        return min(max(batch * (c - c_less) / c, 0.0), 1.0)
+
     # -- the batch ---------------------------------------------------------------
     def any_pays(self, batch: int, best: BestCase) -> bool:
         """Whether :meth:`plan` could give any request of a ``batch``-request
@@ -344,8 +398,10 @@ class Planner:
 
         # Per option: (query tokens, whether a tree, tokens, extra seconds,
         # whether more than one query token).
-        rows = [[(o.query, o.kind == "tree", o.tokens, o.extra_s, o.query > 1) for o in opts]
-                for opts in options]
+        # (a request's gain beyond its one token counted at its weight)
+        rows = [[(o.query, o.kind == "tree", 1.0 + v.weight * (o.tokens - 1.0), o.extra_s,
+                  o.query > 1) for o in opts]
+                for v, opts in zip(views, options)]
         pick = [0] * r_n
         q_tot = sum(o[0][0] for o in rows)
         extra = sum(o[0][3] for o in rows)

@@ -36,7 +36,7 @@ from vllm_lookahead.config import (
 from vllm_lookahead.drafting import Live, account, harvest, new_state
 from vllm_lookahead.memory import SCOPE_KEY, SharedMemory
 from vllm_lookahead.planner import Planner
-from vllm_lookahead.state import RequestState
+from vllm_lookahead.state import RequestState, sibling_group
 from vllm_lookahead.stats import LookaheadStats
 from vllm_lookahead.step import StepDrafter
 from vllm_lookahead.trees import PlannedTree
@@ -307,6 +307,7 @@ class LookaheadProposer:
         seeded = _seeded_sampling(params)
         state = new_state(settings, tokens, n_tok, n_prompt, getattr(params, "max_tokens", None),
                           seeded, self.cfg.seed, self.prior)
+        state.group = sibling_group(req_id)
         if self.memory is not None and settings.enabled and settings.shared_memory:
             extra = getattr(params, "extra_args", None) or {}
             state.memory_scope = int(extra.get(SCOPE_KEY, 0) or 0)

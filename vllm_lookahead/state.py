@@ -145,6 +145,15 @@ class JacobiWindow:
         self.steps += 1
 
 
+def sibling_group(req_id: str) -> str | None:
+    """The parent of a request that is one of the n samples of a request:
+    vLLM names the samples ``"{index}_{parent id}"``
+    (``vllm.v1.engine.parallel_sampling.ParentRequest``); None for any other
+    id."""
+    head, sep, parent = req_id.partition("_")
+    return parent if sep and head.isdigit() and parent else None
+
+
 def request_seed(base_seed: int, prompt_token_ids: np.ndarray) -> int:
     """Seed of a request's window: a function of the base seed and the prompt
     tokens only, so every tensor-parallel rank (and every rerun) agrees."""
@@ -161,6 +170,9 @@ class RequestState:
     num_prompt_tokens: int = 0
     #: The request's output cap (``SamplingParams.max_tokens``), if any.
     max_tokens: int | None = None
+    #: Its parent request when it is one of n samples (``sibling_group``),
+    #: else None.
+    group: str | None = None
     #: Number of the request's tokens whose n-grams are in the pool
     #: (0 when the prompt pool is off).
     pooled_upto: int = 0

@@ -66,6 +66,9 @@ class LookaheadStats:
         catch_up_requests: fused mode: catch-up trees, a request without a
             checked chain (its first step, a miss, a chain used up)
             re-anchoring inside its step, with no extra forward.
+        sibling_ahead_steps: request-steps planned with a token worth less
+            than a token: one of n samples not the last of its parent's to
+            end (:func:`~vllm_lookahead.planner.sibling_weights`).
         arm_steps: request-steps by how the request ran: "tree", "pool"
             (a draft without tree: the last tree's checked chain or the
             unchecked lookup) or "off" (no draft).
@@ -92,6 +95,7 @@ class LookaheadStats:
     steps_window_off: int = 0
     steps_off: int = 0
     steps_quiet: int = 0
+    sibling_ahead_steps: int = 0
     planned_gain: float = 0.0
     planned_gain_seen: int = 0
     fused_trees: int = 0

@@ -55,7 +55,7 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_lookahead.drafting import Live, candidates, lookup, read_tree, unchecked_draft
-from vllm_lookahead.planner import OFF, BestCase, RequestView, Shape
+from vllm_lookahead.planner import OFF, BestCase, RequestView, Shape, sibling_weights
 from vllm_lookahead.trees import TreeAsk, plan_trees
 
 
@@ -116,7 +116,9 @@ class StepDrafter:
         if self.cfg.prompt_pool:
             for r in live:
                 r.state.add_context_ngrams(token_ids[r.i], r.state.settings.ngram_size, r.n_tok)
-        trees, planned = self._plan(live, drafts, token_ids, others=len(everyone) - len(live))
+        weights = self._weights(everyone, live, num_decoding)
+        trees, planned = self._plan(live, drafts, token_ids, others=len(everyone) - len(live),
+                                    weights=weights)
         window_cut = False  # the budget left a tree's window out (counted once a step)
         if self.fused:
             # Tree requests without a checked chain (first step, or the last
@@ -140,22 +142,44 @@ class StepDrafter:
         return drafts, planned
 
     # -- planning ------------------------------------------------------------
+    def _weights(self, everyone: list[Live], live: list[Live], batch: int) -> list[float] | None:
+        """Per request of ``live``, what a token it gains is worth
+        (:func:`~vllm_lookahead.planner.sibling_weights` over the samples
+        of one parent decoding this step, ``everyone``); None: all 1."""
+        if (self.planner is None or not self.cfg.parent_latency or not live
+                or not any(r.state.group for r in live)):
+            return None
+        groups, remaining = [], []
+        for r in everyone:
+            st = r.state
+            groups.append(st.group)
+            remaining.append(None if st.max_tokens is None
+                             else st.max_tokens - (r.n_tok - st.num_prompt_tokens))
+        w = sibling_weights(groups, remaining, self.planner.slot_value(batch))
+        by_row = {r.i: x for r, x in zip(everyone, w)}
+        out = [by_row[r.i] for r in live]
+        self.stats.sibling_ahead_steps += sum(x < 1.0 for x in out)
+        return out
+
     def _plan(self, live: list[Live], drafts, token_ids,
-              others: int = 0) -> tuple[list, tuple | None]:
+              others: int = 0, weights: list[float] | None = None) -> tuple[list, tuple | None]:
         """Each live request's shape this step (``others``: more requests
-        in the step, off). Drafts without a tree go into ``drafts``.
+        in the step, off; ``weights``: per request, what a token it gains is
+        worth, :meth:`_weights`). Drafts without a tree go into ``drafts``.
         Returns the requests that get a tree, as ``(live, window columns,
         candidates)``, and the step as planned (planner only, else None)."""
         if not live:
             return [], None
         fixed = self.planner is None  # adaptive off: the full tree every step
         views = []
-        for r in live:
+        for j, r in enumerate(live):
             r.state.lookup = lookup(r.state, token_ids[r.i], r.n_tok, r.room,
                                     self.cfg.prompt_pool, self.memory)
             if not fixed:
                 views.append(_request_view(r, token_ids, self.cfg.prompt_pool, self.trees,
                                            self.planner))
+                if weights is not None:
+                    views[-1].weight = weights[j]
         planned = None
         if fixed and self.trees:
             shapes = [Shape("tree", window=r.state.settings.window_size,
