@@ -7,7 +7,10 @@
 # Expects $VENV.
 if [ "${LOOKAHEAD_NO_PRELOAD:-0}" != 1 ] && [ "$(uname -s)" = Linux ]; then
     _la_pre=()
-    _la_tc=$(ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')
+    # awk reads to the end (no early exit): under `set -o pipefail` an
+    # early exit could end ldconfig with SIGPIPE and the calling script
+    # with it, now and then
+    _la_tc=$(ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 / && !f {print $NF; f = 1}')
     [ -n "$_la_tc" ] && _la_pre+=("$_la_tc")
     [ -f "$VENV/lib/libiomp5.so" ] && _la_pre+=("$(cd "$VENV/lib" && pwd)/libiomp5.so")
     for _la_lib in "${_la_pre[@]}"; do

@@ -29,7 +29,8 @@ PIP=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 "$VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 # tcmalloc, which vLLM's CPU guide preloads with libiomp5 (scripts/cpu_env.sh);
 # best effort: Debian's package, when we may install it.
-if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then
+# (grep without -q reads all of ldconfig's output: no SIGPIPE under pipefail)
+if ! ldconfig -p 2>/dev/null | grep libtcmalloc_minimal.so.4 >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
             libtcmalloc-minimal4; } >/dev/null 2>&1 || echo "== tcmalloc not installed (optional)" >&2

@@ -79,7 +79,7 @@ cmake -S "$SRC/csrc/suffix_decoding" -B "$TMP/build" -DCMAKE_BUILD_TYPE=Release 
     || fail "cmake configure failed ($(grep -m1 -i error "$LOG" || tail -n 1 "$LOG"))"
 cmake --build "$TMP/build" -j "$(nproc 2>/dev/null || echo 2)" >>"$LOG" 2>&1 \
     || fail "the C++ build failed ($(grep -m1 -i 'error' "$LOG" || tail -n 1 "$LOG"))"
-EXT=$(find "$TMP/build" -maxdepth 2 -name '_C*.so' | head -n 1)
+EXT=$(find "$TMP/build" -maxdepth 2 -name '_C*.so' -print -quit)
 [ -n "$EXT" ] || fail "the build produced no _C extension"
 
 DEST="$SITE/arctic_inference"

@@ -791,3 +791,20 @@ def test_setup_suffix_script_is_valid_bash() -> None:
     text = script.read_text()
     assert "arctic-inference==" in text and "--no-deps" in text
     assert "dist-info" in text  # never installs arctic-inference's own metadata / plugin
+
+
+def test_cpu_env_never_ends_a_strict_script(tmp_path) -> None:
+    """``scripts/cpu_env.sh`` is sourced by the demo and the benchmark under
+    ``set -euo pipefail``: its ``ldconfig | awk`` must read to the end (an
+    awk that exits at the first match ended ldconfig with SIGPIPE and the
+    script with it, about 4% of runs here). Sourced 200 times in one strict
+    shell: every time it comes back, and the preload it sets is the same."""
+    import subprocess
+
+    env_sh = BENCH_DIR.parent / "scripts" / "cpu_env.sh"
+    script = (f'set -euo pipefail; VENV="{tmp_path}"; first=""\n'
+              f'for i in $(seq 200); do unset LD_PRELOAD; source "{env_sh}"\n'
+              '  [ -z "$first" ] && first="${LD_PRELOAD:-none}"\n'
+              '  [ "${LD_PRELOAD:-none}" = "$first" ] || exit 3; done; echo "ok $first"')
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("ok "), (out.returncode, out.stderr)
