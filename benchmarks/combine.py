@@ -13,7 +13,8 @@ again. Runs with different ``--engine-seed`` average that out::
     done
     .venv/bin/python benchmarks/combine.py runs/seed*.json [--json combined.json]
 
-Rows are matched by model, dtype, dataset, batch size, sampling and method;
+Rows are matched by model, dtype, dataset, batch size, sampling, pass
+(``--repeat``) and method;
 a row missing from a run (an error) is left out of that run's figures.
 """
 
@@ -30,7 +31,7 @@ from typing import Any
 
 #: What makes two runs' rows the same row.
 ROW_KEY = ("model", "dtype", "dataset", "batch_size", "temperature", "top_p", "n", "seed",
-           "repeat", "structured", "method")
+           "repeat", "structured", "pass", "method")
 
 
 def _key(row: dict[str, Any]) -> tuple:
@@ -82,12 +83,13 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     lines = []
     group = None
     for r in rows:
-        g = (r["model"], r["dtype"], r["dataset"], r["batch_size"], r["n"], r["temperature"])
+        g = tuple(r[k] for k in ROW_KEY[:-1])
         if g != group:
             group = g
             lines.append("")
+            part = f" | pass {r['pass']}" if r.get("pass") else ""
             lines.append(f"== {r['model']} {r['dtype']} | {r['dataset']} | batch {r['batch_size']}"
-                         f" | n {r['n'] or 1} | T {r['temperature'] or 0:g}")
+                         f" | n {r['n'] or 1} | T {r['temperature'] or 0:g}{part}")
             lines.append(f"{'method':<16} {'runs':>4} {'ratio':>6} {'+-se':>6} {'S':>6}"
                          f" {'tokens':>7}  ratios")
         lines.append(f"{r['method']:<16} {r['runs']:>4} {r['ratio']:>6.3f} {r['ratio_se']:>6.3f}"

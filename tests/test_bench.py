@@ -591,6 +591,11 @@ def test_combine_takes_geometric_means_over_runs(tmp_path, capsys) -> None:
     assert la["ratio_se"] == pytest.approx(math.log(4) / math.sqrt(2) / math.sqrt(2))
     assert la["output_tokens"] == 950 and la["step_compression"] == 1.5
     assert "la " in capsys.readouterr().out
+    # --repeat rows (all passes, pass 1, pass 2) stay apart
+    res = run(0, {"vanilla": 1.0, "la": 1.5}, 900)
+    res["rows"] = [dict(r, **{"pass": p}) for r in res["rows"] if r.get("ratio")
+                   for p in (None, "1", "2")]
+    assert len(combine.combine([res, res])) == 12
 
 
 @pytest.mark.parametrize(
