@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_lookahead.cpu_sampling import TopPCounts, exponential_rows, top_k_top_p_rows
+from vllm_lookahead.cpu_sampling import TopPCounts, recovered_inv_q, top_k_top_p_rows
 
 VOCAB = 49152
 
@@ -86,16 +86,49 @@ def test_decided_rows_never_call_the_fallback():
     assert counts.fallback_rows == 0
 
 
-def test_exponential_rows_only_for_drafting_requests():
+def test_recovered_noise_only_for_drafting_requests_and_their_support():
+    vocab = 1000
+    # draft positions: request 1 has 3, request 2 (seeded) 2
+    probs = torch.zeros(5, vocab)
+    probs[0, [3, 7]] = 0.5
+    probs[1, 9] = 1.0
+    probs[2, [3, 500]] = 0.5
+    probs[3:, :] = 1.0 / vocab
     gens = {2: torch.Generator().manual_seed(5)}
     twin = torch.Generator().manual_seed(5)
-    q = exponential_rows([0, 3, 2, 0], 1000, gens, torch.float32, "cpu")
-    assert q.shape == (4, 1000)
-    assert torch.all(q[0] == 1) and torch.all(q[3] == 1)
-    assert q[1].min() > 0 and 0.9 < float(q[1].mean()) < 1.1
+    inv_q = recovered_inv_q([0, 3, 2, 0], probs, gens, torch.float32, "cpu")
+    assert inv_q.shape == (4, vocab)
+    assert torch.all(inv_q[0] == 0) and torch.all(inv_q[3] == 0)  # never read
+    # request 1: noise on the union of its positions' support, 0 elsewhere
+    support = inv_q[1].nonzero().squeeze(1).tolist()
+    assert support == [3, 7, 9, 500]
     # the seeded request's row is its generator's draw, as vLLM makes it
-    assert torch.equal(q[2], torch.empty(1000).exponential_(generator=twin))
+    assert torch.equal(inv_q[2], torch.empty(vocab).exponential_(generator=twin).reciprocal())
     # a seeded request without a draft leaves its generator untouched
     gens = {0: torch.Generator().manual_seed(5)}
-    exponential_rows([0, 1], 10, gens, torch.float64, "cpu")
+    recovered_inv_q([0, 1], torch.full((1, 10), 0.1), gens, torch.float64, "cpu")
     assert torch.equal(gens[0].get_state(), torch.Generator().manual_seed(5).get_state())
+
+
+def test_recovered_tokens_keep_vllms_distribution():
+    """The recovered token of a rejected draft position is drawn from the
+    target's probabilities less the draft token's, normalised: with noise
+    on the support only, as with vLLM's full draw (the same argmax)."""
+    vocab, n = 50, 20000
+    p = torch.zeros(vocab)
+    p[[2, 5, 11, 40]] = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    draft = 5
+    adj = p.clone()
+    adj[draft] = 0
+    want = adj / adj.sum()
+    torch.manual_seed(0)
+    counts = torch.zeros(vocab)
+    for _ in range(n // 500):
+        probs = p.repeat(500, 1)
+        inv_q = recovered_inv_q([1] * 500, probs, {}, torch.float32, "cpu")
+        scores = probs * inv_q
+        scores[:, draft] = 0  # the kernel's NO_DRAFT_PROBS mask
+        counts += torch.bincount(scores.argmax(dim=1), minlength=vocab).float()
+    freq = counts / n
+    assert freq[draft] == 0 and float(freq[p == 0].sum()) == 0
+    assert torch.allclose(freq, want, atol=0.012)
