@@ -31,7 +31,8 @@ PATTERNS = {
     1: {"none": [0], "1x1": [1], "2x1": [2], "4x1": [4]},
     4: {"none": [0] * 4, "1x1": [1, 0, 0, 0], "1x2": [1, 1, 0, 0], "2x1": [2, 0, 0, 0],
         "1x4": [1] * 4, "2x2": [2, 2, 0, 0], "4x1": [4, 0, 0, 0]},
-    16: {"none": [0] * 16, "1x8": [1] * 8 + [0] * 8, "2x4": [2] * 4 + [0] * 12,
+    16: {"none": [0] * 16, "1x1": [1] + [0] * 15, "2x1": [2] + [0] * 15,
+         "4x1": [4] + [0] * 15, "1x8": [1] * 8 + [0] * 8, "2x4": [2] * 4 + [0] * 12,
          "4x2": [4, 4] + [0] * 14, "1x16": [1] * 16, "4x4": [4] * 4 + [0] * 12},
 }
 
@@ -43,11 +44,16 @@ def _parse(argv):
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4, 16],
                    choices=sorted(PATTERNS))
     p.add_argument("--tokens", type=int, default=400, help="new tokens per request")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (0: greedy; > 0 runs vLLM's rejection sampler "
+                        "with top-p)")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--out", default="benchmarks/results/draft_spread_cost.json")
     return p.parse_args(argv)
 
 
-def measure(model_path: str, dtype: str, batch: int, tokens: int) -> dict:
+def measure(model_path: str, dtype: str, batch: int, tokens: int,
+            temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Median step ms per pattern of ``PATTERNS[batch]`` (and steps timed)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -72,7 +78,8 @@ def measure(model_path: str, dtype: str, batch: int, tokens: int) -> dict:
               speculative_config={"method": "lookahead", "num_speculative_tokens": 4,
                                   "adaptive": False})
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=tokens,
+                            ignore_eos=True)
     times: dict[str, list[float]] = {n: [] for n in names}
     for rep in range(2):
         for i in range(batch):
@@ -101,9 +108,9 @@ def main(argv=None) -> int:
 
     path = str(MODELS[args.model]())
     result = {"meta": machine_info(sys.argv), "model": args.model, "dtype": args.dtype,
-              "batches": {}}
+              "temperature": args.temperature, "top_p": args.top_p, "batches": {}}
     for b in args.batch_sizes:
-        got = measure(path, args.dtype, b, args.tokens)
+        got = measure(path, args.dtype, b, args.tokens, args.temperature, args.top_p)
         result["batches"][str(b)] = got
         none = got["none"]["ms"]
         print(f"batch {b} ({args.dtype}, {result['meta'].get('cpu')}): " + ", ".join(

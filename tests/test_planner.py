@@ -195,12 +195,18 @@ def test_any_pays_false_means_the_plan_is_all_off():
     for trial in range(400):
         fn = rng.choice([amx, avx2_bf16, gpu, lambda t: 1 + 0.06 * (t - 1),
                          lambda t: 1 + 0.02 * (t - 1)])
-        planner = Planner(model(fn), fused=rng.random() < 0.7)
+        verify = {} if rng.random() < 0.3 else {
+            kind: {b: (rng.uniform(0, 0.3) * STEP, rng.uniform(0, 0.1) * STEP)
+                   for b in (1, 4, 16)} for kind in ("sampled", "greedy")}
+        cost = CostModel(CostCurve(curve_from(fn).points, verify))
+        planner = Planner(cost, fused=rng.random() < 0.7)
         prior = AcceptancePrior(max_cands=8, p_unchecked=rng.uniform(0, 0.6),
                                 p_checked=rng.uniform(0.5, 1.0))
         batch = rng.choice([1, 2, 4, 8, 16, 24])
-        views = []
+        share = rng.choice([0.0, 0.5, 1.0])  # of the requests that sample
+        views, sampled = [], []
         for _ in range(batch):
+            sampled.append(rng.random() < share)
             acc = RequestAcceptance(prior)
             for kind in acc.unchecked:
                 acc.unchecked[kind].hits = rng.uniform(0, 4)
@@ -209,11 +215,12 @@ def test_any_pays_false_means_the_plan_is_all_off():
             n, w, g = rng.randint(2, 6), rng.randint(0, 7), rng.randint(1, 8)
             views.append(view(acc, chain=rng.choice([0, 0, 2]), unchecked=rng.randint(0, 5),
                               n=n, w=w, g=g, room=rng.randint(0, 5),
-                              lookup_kind=rng.choice(LOOKUP_KINDS), trees=rng.random() < 0.8))
-        if not planner.any_pays(batch, BestCase.of(views, prior)):
+                              lookup_kind=rng.choice(LOOKUP_KINDS), trees=rng.random() < 0.8,
+                              verify=cost.verify(batch, sampled[-1])))
+        if not planner.any_pays(batch, BestCase.of(views, prior, sampled=all(sampled))):
             quiet += 1
             assert all(s == OFF for s in planner.plan(views)), trial
-    assert quiet >= 10  # the case is exercised (15 of 400 with this seed)
+    assert quiet >= 10  # the case is exercised
 
 
 def test_geometric_gain():
@@ -537,12 +544,18 @@ def test_measured_curve_never_falls_with_more_tokens():
 def test_cache_roundtrip_and_key_changes(tmp_path):
     cache = CostCache(tmp_path)
     key = cache_key("m", "bfloat16", 1, 1, "0.32.0", "cpu")
-    curve = CostCurve({1: [(1, 0.05), (2, 0.05), (4, 0.06), (16, 0.07)]})
+    pts = {1: [(1, 0.05), (2, 0.05), (4, 0.06), (16, 0.07)]}
+    curve = CostCurve(pts, {"sampled": {1: (0.003, 0.0005), 4: (0.004, 0.001)},
+                            "greedy": {1: (0.0002, 0.0001)}})
     assert cache.load(key) is None
     cache.save(key, curve)
     assert cache.load(key).points == curve.points
+    assert cache.load(key).verify == curve.verify
     # a curve cut to fewer sizes than a measurement now keeps is measured anew
-    cache.save(key, CostCurve({1: [(1, 0.05)]}))
+    cache.save(key, CostCurve({1: [(1, 0.05)]}, curve.verify))
+    assert cache.load(key) is None
+    # so is one cached without the verification costs (an older version's)
+    cache.save(key, CostCurve(pts))
     assert cache.load(key) is None
     cache.save(key, curve)
     for change in ({"dtype": "float32"}, {"model": "other"}, {"tensor_parallel": 2},
@@ -712,3 +725,86 @@ def test_a_sample_ahead_of_its_siblings_drafts_only_where_a_slot_pays():
     lag, ahead = planner.plan([view(acc, unchecked=4, g=0, trees=False, weight=1.0),
                                view(acc, unchecked=4, g=0, trees=False, weight=w)])
     assert lag.kind == "draft" and ahead == OFF
+
+
+# -- vLLM's verification cost (CostCurve.verify) ------------------------------------
+def test_verify_costs_interpolate_by_batch_and_kind():
+    c = CostCurve({1: [(1, STEP), (16, 2 * STEP)]},
+                  {"sampled": {1: (0.002, 0.0004), 4: (0.004, 0.0008)},
+                   "greedy": {1: (0.0002, 0.0)}})
+    assert c.verify_at(1, True) == (0.002, 0.0004)
+    assert c.verify_at(2, True) == pytest.approx((0.002 + 0.002 / 3, 0.0004 + 0.0004 / 3))
+    assert c.verify_at(16, True) == (0.004, 0.0008)  # the largest measured batch's
+    assert c.verify_at(3, False) == (0.0002, 0.0)
+    assert CostCurve({1: [(1, STEP)]}).verify_at(1, True) == (0.0, 0.0)  # not measured
+    assert CostModel(c).verify(4, True) == (0.004, 0.0008)
+    with pytest.raises(ValueError, match="verification"):
+        CostCurve({1: [(1, STEP)]}, {"beam": {1: (0.1, 0.1)}})
+    with pytest.raises(ValueError, match="verification cost"):
+        CostCurve({1: [(1, STEP)]}, {"sampled": {1: (-0.1, 0.0)}})
+    assert "verify_ms" in CostModel(c).snapshot()
+
+
+def test_a_batch_whose_drafts_pay_only_before_verification_is_quiet():
+    """any_pays counts a draft's verification, at least the sampled kind's
+    where every request samples (else the cheaper kind's)."""
+    pts = curve_from(lambda t: 1 + 0.02 * (t - 1)).points
+    cost = CostModel(CostCurve(pts, {"sampled": {1: (0.2 * STEP, 0.05 * STEP)},
+                                     "greedy": {1: (0.01 * STEP, 0.0)}}))
+    planner = Planner(cost)
+    prior = AcceptancePrior(max_cands=8, p_unchecked=0.15)
+    views = [view(RequestAcceptance(prior), trees=False) for _ in range(4)]
+    assert not planner.any_pays(4, BestCase.of(views, prior, sampled=True))
+    assert planner.any_pays(4, BestCase.of(views, prior, sampled=False))
+    assert Planner(CostModel(CostCurve(pts))).any_pays(4, BestCase.of(views, prior, sampled=True))
+
+
+def test_a_draft_that_pays_on_the_forward_alone_waits_for_its_verification():
+    # bf16 AVX-512-like: a draft token adds 2% of a step to the forward
+    planner = Planner(CostModel(CostCurve.flat(0.03, 0.02)))
+    acc = acceptance(p_unchecked=0.15, tree_by_g=[0.0] * 8, window_extra=0.0)
+    free = planner.plan([view(acc, unchecked=4, trees=False)])
+    assert free[0].kind == "draft"
+    # a sampled request's verification: 20% of a step for its first token
+    costly = planner.plan([view(acc, unchecked=4, trees=False, verify=(0.006, 0.001))])
+    assert costly == [OFF]
+    # with high acceptance the draft pays anyway, its verification in its cost
+    sure = acceptance(p_unchecked=0.9, tree_by_g=[0.0] * 8, window_extra=0.0)
+    plan = planner.plan([view(sure, unchecked=4, trees=False, verify=(0.006, 0.001))])
+    assert plan[0].kind == "draft"
+    assert plan[0].extra_s == pytest.approx(0.006 + 0.001 * (plan[0].draft - 1))
+
+
+def test_the_cost_model_learns_the_forward_apart_from_the_verification():
+    """Steps booked less the verification the plan counted: a plane that
+    saw drafting steps (whose time was mostly the verifier's) does not price
+    the forward's draft tokens at the verifier's cost too."""
+    from vllm_lookahead.proposer import StepTimer
+
+    cm = CostModel(CostCurve.flat(0.03, 0.02))
+    planner = Planner(cm)
+    timer = StepTimer(None)
+    now = 0.0
+    for i in range(200):
+        drafting = i % 2
+        verify = 0.004 if drafting else 0.0
+        forward = 0.03 * (1 + 0.02 * 3 * drafting)
+        timer.planned((1, 1.0 + 3 * drafting, False, drafting, verify), now)
+        now += forward + verify
+        timer.book(planner, now, True, 1)
+    cm.agreed(cm.local_factors())
+    assert cm.predict(1, 4.0, tree=False, drafting=1) == pytest.approx(0.03 * 1.06, rel=0.05)
+
+
+def test_a_seeded_draft_is_priced_with_the_verification_measured_at_start():
+    acc = acceptance(p_unchecked=0.5, tree_by_g=[0.0] * 8, window_extra=0.0)
+    pts = {1: [(1, 0.03), (64, 0.03 * 1.63)]}
+    cheap = Planner(CostModel(CostCurve(pts, {"sampled": {1: (0.0003, 0.0001)}})))
+    dear = Planner(CostModel(CostCurve(pts, {"sampled": {1: (0.03, 0.0)}})))
+    assert cheap.steady_draft(acc, "suffix4", 4) > 0
+    assert dear.steady_draft(acc, "suffix4", 4) == 0  # verifying costs a whole step
+    # without a measurement: the fixed shares of a step (SEEDED_FIRST, _NEXT)
+    bare = Planner(CostModel(CostCurve(pts)))
+    assert bare.steady_draft(acc, "suffix4", 4) == Planner(CostModel(CostCurve(
+        pts, {"sampled": {1: (0.03 * Planner.SEEDED_FIRST, 0.03 * Planner.SEEDED_NEXT)}}))
+    ).steady_draft(acc, "suffix4", 4)

@@ -66,6 +66,8 @@ class CostCache:
         curve = load_curve(self.path(key), key)
         if curve is not None and len(curve.points[min(curve.points)]) < MIN_POINTS:
             return None
+        if curve is not None and not curve.verify:
+            return None  # cached before the verification costs were measured
         return curve
 
     def save(self, key: dict, curve: CostCurve) -> Path | None:
@@ -74,7 +76,8 @@ class CostCache:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text(json.dumps({"version": CACHE_VERSION, "key": key,
-                                       "curve": curve.to_dict()}, indent=1))
+                                       "curve": curve.to_dict(),
+                                       "verify": curve.verify_dict()}, indent=1))
             os.replace(tmp, path)
             return path
         except OSError as e:
@@ -84,7 +87,9 @@ class CostCache:
 
 def load_curve(path: str | os.PathLike, key: dict | None = None) -> CostCurve | None:
     """A curve from a file written by :class:`CostCache` (or by hand:
-    ``{"version": 1, "curve": {"1": [[1, 0.05], [16, 0.07]]}}``). With
+    ``{"version": 2, "curve": {"1": [[1, 0.05], [16, 0.07]]}}``, and
+    optionally ``"verify": {"sampled": {"1": [0.003, 0.0005]}}``, seconds;
+    version 1 files have no ``verify``). With
     ``key``, the file's key must equal it. None, with a warning, for a
     missing key match, a corrupt file or one of another version; None
     silently for a missing file."""
@@ -97,11 +102,11 @@ def load_curve(path: str | os.PathLike, key: dict | None = None) -> CostCurve | 
         logger.warning("Lookahead: ignoring unreadable cost curve %s: %s", path, e)
         return None
     try:
-        if data.get("version") != CACHE_VERSION:
+        if data.get("version") not in (1, CACHE_VERSION):
             raise ValueError(f"format version {data.get('version')!r}, want {CACHE_VERSION}")
         if key is not None and data.get("key") != key:
             raise ValueError("it was measured for another model, dtype or machine")
-        return CostCurve.from_dict(data["curve"])
+        return CostCurve.from_dict(data["curve"], data.get("verify"))
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         logger.warning("Lookahead: ignoring cost curve %s: %s", path, e)
         return None

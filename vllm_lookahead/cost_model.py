@@ -34,8 +34,12 @@ from vllm_lookahead.fit import Plane, plane_features, plane_seconds
 from vllm_lookahead.machine import hardware_id, machine_busy_s  # noqa: F401
 
 #: Format version of the cache files (a :meth:`CostCurve.to_dict` with its
-#: key, :mod:`.cost_cache`); a file of another version is ignored.
-CACHE_VERSION = 1
+#: key and its :meth:`CostCurve.verify_dict`, :mod:`.cost_cache`); a file of
+#: another version is ignored (version 1, without the verification costs,
+#: is read as a curve without them).
+CACHE_VERSION = 2
+#: The kinds of request whose verification :attr:`CostCurve.verify` times.
+VERIFY_KINDS = ("sampled", "greedy")
 #: Query tokens per request the engine-start ladder measures.
 TOKEN_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 #: Batch buckets the ladder measures (cut to the engine's max_num_seqs).
@@ -52,14 +56,23 @@ def bucket_of(num_requests: int) -> int:
 @dataclass
 class CostCurve:
     """Step seconds measured per batch bucket at a ladder of query tokens
-    per request.
+    per request, and what vLLM's verifier adds for a request's draft.
 
     Attributes:
         points: ``{batch: [(tokens_per_request, seconds), ...]}``, tokens
             ascending, at least one point per batch.
+        verify: ``{"sampled" | "greedy": {batch: (first_s, next_s)}}``: the
+            seconds vLLM's rejection sampler adds to a step of ``batch``
+            such requests over its plain sampler when one of them drafts
+            one token (``first_s``), and per further draft token of that
+            request (``next_s``) -- the sampler's work only (logits rows,
+            top-p, recovered tokens), not the forward's, which ``points``
+            time. Empty: not measured (the planner then counts nothing for
+            it, and the steps seen teach it as they can).
     """
 
     points: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    verify: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         clean = {}
@@ -72,6 +85,19 @@ class CostCurve:
         if not clean:
             raise ValueError("a cost curve needs at least one batch size")
         self.points = dict(sorted(clean.items()))
+        verify = {}
+        for kind, table in (self.verify or {}).items():
+            if kind not in VERIFY_KINDS:
+                raise ValueError(f"bad verification kind {kind!r} (want one of {VERIFY_KINDS})")
+            rows = {}
+            for b, pair in table.items():
+                first, nxt = (float(x) for x in pair)
+                if int(b) < 1 or not all(x >= 0 and math.isfinite(x) for x in (first, nxt)):
+                    raise ValueError(f"bad verification cost for batch {b}: {pair}")
+                rows[int(b)] = (first, nxt)
+            if rows:
+                verify[kind] = dict(sorted(rows.items()))
+        self.verify = verify
 
     @property
     def batches(self) -> list[int]:
@@ -120,12 +146,38 @@ class CostCurve:
         f = (batch - lo) / (hi - lo)
         return (1 - f) * self._at(lo, tokens) + f * self._at(hi, tokens)
 
+    def verify_at(self, batch: int, sampled: bool) -> tuple[float, float]:
+        """``(first_s, next_s)`` of :attr:`verify` for a request of a
+        ``batch``-request step (``sampled``: a sampled request, else a
+        greedy one): linear in the batch size between measured sizes, the
+        nearest measured size outside them; ``(0, 0)`` if not measured."""
+        table = self.verify.get("sampled" if sampled else "greedy")
+        if not table:
+            return (0.0, 0.0)
+        batch = max(int(batch), 1)
+        bs = list(table)
+        if batch <= bs[0]:
+            return table[bs[0]]
+        if batch >= bs[-1]:
+            return table[bs[-1]]
+        i = bisect.bisect_left(bs, batch)
+        lo, hi = bs[i - 1], bs[i]
+        f = (batch - lo) / (hi - lo)
+        return tuple((1 - f) * a + f * b for a, b in zip(table[lo], table[hi]))
+
     def to_dict(self) -> dict:
         return {str(b): [[t, s] for t, s in pts] for b, pts in self.points.items()}
 
+    def verify_dict(self) -> dict:
+        """:attr:`verify` as JSON keeps it (:meth:`from_dict`'s ``verify``)."""
+        return {kind: {str(b): list(pair) for b, pair in table.items()}
+                for kind, table in self.verify.items()}
+
     @classmethod
-    def from_dict(cls, d: dict) -> "CostCurve":
-        return cls({int(b): [(int(t), float(s)) for t, s in pts] for b, pts in d.items()})
+    def from_dict(cls, d: dict, verify: dict | None = None) -> "CostCurve":
+        return cls({int(b): [(int(t), float(s)) for t, s in pts] for b, pts in d.items()},
+                   {kind: {int(b): tuple(pair) for b, pair in table.items()}
+                    for kind, table in (verify or {}).items()})
 
     @classmethod
     def flat(cls, seconds: float = 1.0, per_token: float = 0.0) -> "CostCurve":
@@ -258,6 +310,15 @@ class CostModel:
         jump = max(c2 - c1 - slope, 0.0)
         return max(self.curve.predict(batch, tokens) - jump, c1)
 
+    def verify(self, batch: int, sampled: bool) -> tuple[float, float]:
+        """What vLLM's verifier adds for one request's draft in a step of
+        ``batch`` requests, ``(first token's seconds, each next one's)``
+        (:meth:`CostCurve.verify_at`). It is not in :meth:`predict`: the
+        planner counts it per request (a sampled request's draft costs far
+        more to verify than a greedy one's), and the steps booked with
+        :meth:`observe` have it taken out."""
+        return self.curve.verify_at(batch, sampled)
+
     #: Answers :meth:`predict` keeps between two agreements.
     MEMO_SIZE = 4096
 
@@ -357,5 +418,9 @@ class CostModel:
             "source": self.source,
             "curve_ms": {str(b): [[t, round(s * 1e3, 3)] for t, s in pts]
                          for b, pts in self.curve.points.items()},
+            # per kind and batch: [first draft token, each next one]
+            "verify_ms": {kind: {str(b): [round(x * 1e3, 3) for x in pair]
+                                 for b, pair in table.items()}
+                          for kind, table in self.curve.verify.items()},
             "correction": corr,
         }

@@ -95,6 +95,9 @@ class RequestView:
         fixed: plan this request with exactly this shape (no search).
         weight: what a token the request gains beyond its one is worth, in
             tokens of the step (:func:`sibling_weights`; 1: all of it).
+        verify: seconds vLLM's verifier adds for a draft of the request,
+            ``(first token, each next one)``
+            (:meth:`~vllm_lookahead.cost_model.CostModel.verify`).
     """
 
     acc: RequestAcceptance
@@ -108,6 +111,13 @@ class RequestView:
     trees: bool = True
     fixed: Shape | None = None
     weight: float = 1.0
+    verify: tuple[float, float] = (0.0, 0.0)
+
+    def verify_s(self, draft: int) -> float:
+        """Seconds vLLM's verifier adds for a draft of ``draft`` tokens."""
+        if draft <= 0:
+            return 0.0
+        return self.verify[0] + self.verify[1] * (draft - 1)
 
 
 def sibling_weights(groups: list, remaining: list, slot_value: float) -> list[float]:
@@ -161,16 +171,20 @@ class BestCase:
         trees: ``(window on, g)`` -> (highest confirmed tokens times the
             highest checked acceptance, fewest tree nodes), for the tree
             shapes some request may run (none: no request may).
+        sampled: every request samples (a draft's verification costs at
+            least a sampled one's; else at least the cheaper kind's).
     """
 
     p_unchecked: float
     max_draft: int
     trees: dict
+    sampled: bool = False
 
     @classmethod
-    def of(cls, views: list["RequestView"], prior) -> "BestCase":
+    def of(cls, views: list["RequestView"], prior, sampled: bool = False) -> "BestCase":
         """The bound of ``views`` (non-empty) and the engine's ``prior``
-        (an :class:`~vllm_lookahead.acceptance.AcceptancePrior`)."""
+        (an :class:`~vllm_lookahead.acceptance.AcceptancePrior`);
+        ``sampled``: every one of the requests samples."""
         accs = [v.acc for v in views]
         p_u = max([max(prior.p_unchecked.values())]
                   + [max(r.p for r in a.unchecked.values()) for a in accs])
@@ -184,7 +198,8 @@ class BestCase:
                 m = min(max(v.acc.tree_gain(g, w), prior.tree_gain(g, w)), v.ngram_size - 1)
                 old = trees.get((w, g), (0.0, nodes))
                 trees[(w, g)] = (max(old[0], m * p_c), min(old[1], nodes))
-        return cls(p_unchecked=p_u, max_draft=max(v.room for v in views), trees=trees)
+        return cls(p_unchecked=p_u, max_draft=max(v.room for v in views), trees=trees,
+                   sampled=sampled)
 
 
 @lru_cache(maxsize=128)
@@ -272,11 +287,13 @@ class Planner:
             # after it draft unchecked guesses: value the policy, not the
             # one step (a tree's value below is its steady state too).
             k = min(v.chain, v.room)
-            out.append(Shape("draft", draft=k, tokens=1 + acc.unchecked_gain(k)))
+            out.append(Shape("draft", draft=k, tokens=1 + acc.unchecked_gain(k),
+                             extra_s=v.verify_s(k)))
         elif v.unchecked > 0:
             for k in draft_lengths(min(v.unchecked, v.room)):
                 out.append(Shape("draft", draft=k,
-                                 tokens=1 + acc.unchecked_gain(k, v.lookup_kind)))
+                                 tokens=1 + acc.unchecked_gain(k, v.lookup_kind),
+                                 extra_s=v.verify_s(k)))
         if not v.trees:
             return out
         n = v.ngram_size
@@ -296,19 +313,15 @@ class Planner:
                 # A catch-up tree rides in this step but confirms no draft
                 # until the next: one step of the run without its gain.
                 gain *= 1.0 - 1.0 / max(self.horizon, 1.0)
-            out.append(Shape("tree", d, w, g, nodes, 1 + gain, extra_1))
+            out.append(Shape("tree", d, w, g, nodes, 1 + gain, extra_1 + v.verify_s(d)))
         return out
 
     #: What a seeded request's draft costs beyond the forward's rows, in
-    #: one-request steps: the first draft token and each next one. The
-    #: start-up curve times the model's forward only; vLLM's verification
-    #: adds, per draft row, its logits and its sampling (top-p sorts the
-    #: vocabulary on the CPU), which only the steps seen tell (the plain
-    #: plane's ``r`` and ``q``) and a seeded request may not use. These are
-    #: upper bounds of what the plane measured on an AVX2 EPYC in float32
-    #: under top-p sampling (first 20-25%, next 6-13% of a step), so a
-    #: seeded draft runs where it pays on such a CPU, and less than it
-    #: could where drafts are cheaper.
+    #: one-request steps, the first draft token and each next one, where the
+    #: curve has no verification costs (:attr:`CostCurve.verify`: a curve
+    #: file written by hand or by an older version). These are upper bounds
+    #: of what the steps seen measured on an AVX2 EPYC in float32 under
+    #: top-p sampling (first 20-25%, next 6-13% of a step).
     SEEDED_FIRST = 0.25
     SEEDED_NEXT = 0.15
 
@@ -318,18 +331,24 @@ class Planner:
         ``k_max`` with the most expected tokens per second of a one-request
         step, its acceptance ``acc`` learnt from its own text (``kind`` of
         lookup), the seconds from the cost curve as the engine started (no
-        correction from the steps seen: :meth:`CostModel.plain`) plus the
-        verification's share (:attr:`SEEDED_FIRST`, :attr:`SEEDED_NEXT`).
-        A batch shares a step's fixed cost, so a draft that pays alone
-        pays in a batch too. 0: no draft."""
+        correction from the steps seen: :meth:`CostModel.plain`) plus what
+        vLLM's verifier adds, as measured with the curve (a sampled
+        request's, :meth:`CostModel.verify` at batch 1; without it
+        :attr:`SEEDED_FIRST`, :attr:`SEEDED_NEXT`). A batch shares a step's
+        fixed cost, so a draft that pays alone pays in a batch too. 0: no
+        draft."""
         plain = getattr(self.cost, "plain", None)
         if plain is None:  # a bare cost curve (tests)
             def plain(batch, tokens):
                 return self.cost.predict(batch, tokens, False)
         step = max(plain(1, 1), 1e-12)
+        measured = getattr(self.cost, "verify", None)
+        first, nxt = measured(1, True) if callable(measured) else (0.0, 0.0)
+        if not (first or nxt):
+            first, nxt = step * self.SEEDED_FIRST, step * self.SEEDED_NEXT
         best, best_rate = 0, 1.0 / step
         for k in range(1, k_max + 1):
-            verify = step * (self.SEEDED_FIRST + self.SEEDED_NEXT * (k - 1))
+            verify = first + nxt * (k - 1)
             rate = (1.0 + acc.unchecked_gain(k, kind)) / max(plain(1, 1 + k) + verify, 1e-12)
             if rate > best_rate:
                 best, best_rate = k, rate
@@ -365,13 +384,22 @@ class Planner:
             return False
         c0 = self.cost.predict(batch, 1.0, tree=False)
         lam = batch / c0  # the all-off plan's tokens per second
+        # vLLM's verification of a draft, at least (none under a tree)
+        verify = getattr(self.cost, "verify", None)
+        if callable(verify):
+            first, nxt = verify(batch, True)
+            if not best.sampled:
+                g_first, g_next = verify(batch, False)
+                first, nxt = min(first, g_first), min(nxt, g_next)
+        else:
+            first = nxt = 0.0
 
-        def pays(gain: float, query: int, tree: bool) -> bool:
+        def pays(gain: float, query: int, tree: bool, extra: float = 0.0) -> bool:
             sec = self.cost.predict(batch, (batch - 1 + query) / batch, tree=tree, drafting=1)
-            return gain > lam * (sec - c0) + 1e-12
+            return gain > lam * (sec + extra - c0) + 1e-12
 
         for k in draft_lengths(best.max_draft):
-            if pays(geometric_gain(best.p_unchecked, k), 1 + k, False):
+            if pays(geometric_gain(best.p_unchecked, k), 1 + k, False, first + nxt * (k - 1)):
                 return True
         return any(pays(gain, 1 + nodes, True) for gain, nodes in best.trees.values())
 

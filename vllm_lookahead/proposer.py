@@ -308,6 +308,7 @@ class LookaheadProposer:
         state = new_state(settings, tokens, n_tok, n_prompt, getattr(params, "max_tokens", None),
                           seeded, self.cfg.seed, self.prior)
         state.group = sibling_group(req_id)
+        state.sampled = float(getattr(params, "temperature", 0.0) or 0.0) >= 1e-5
         if self.memory is not None and settings.enabled and settings.shared_memory:
             extra = getattr(params, "extra_args", None) or {}
             state.memory_scope = int(extra.get(SCOPE_KEY, 0) or 0)
@@ -343,26 +344,34 @@ class StepTimer:
         self.agree = agree
         #: The last planned step: (decoding requests, query tokens per
         #: request, whether it had trees, requests with more than one query
-        #: token, end of its proposer call), to time it.
-        self.last: tuple[int, float, bool, int, float] | None = None
+        #: token, seconds counted for vLLM's verification of its drafts,
+        #: end of its proposer call), to time it.
+        self.last: tuple[int, float, bool, int, float, float] | None = None
         self.calls = 0
 
     def book(self, planner: Planner | None, now: float, clean: bool, num_live: int) -> None:
         """Book the step that just ran with the cost model (if it ran as
-        planned: as many requests, no prefill), and agree on the correction
-        every ``AGREE_EVERY`` calls."""
+        planned: as many requests, no prefill; less the verification the
+        plan counted), and agree on the correction every ``AGREE_EVERY``
+        calls."""
         if planner is None:
             return
         cost = planner.cost
         last = self.last
         if last is not None and clean and last[0] == num_live:
-            cost.observe(last[0], last[1], now - last[4], tree=last[2], drafting=last[3])
+            # The cost model's planes price the forward; the verification
+            # the planner counted per request is taken out (never below
+            # half the step: the planes' clip bounds a wrong estimate).
+            took = now - last[5]
+            cost.observe(last[0], last[1], max(took - last[4], took / 2), tree=last[2],
+                         drafting=last[3])
         self.calls += 1
         if self.calls % self.AGREE_EVERY == 0:
             local = cost.local_factors()
             cost.agreed(self.agree(local) if self.agree is not None else local)
 
-    def planned(self, planned: tuple[int, float, bool, int] | None, end: float) -> None:
+    def planned(self, planned: tuple[int, float, bool, int, float] | None,
+                end: float) -> None:
         """The step just planned (:meth:`StepDrafter.run`'s ``planned``;
         None: not planned, not timed) and the end of its proposer call."""
         self.last = (*planned, end) if planned is not None else None

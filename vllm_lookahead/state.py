@@ -197,6 +197,9 @@ class RequestState:
     acc: object = None
     #: A sampled request with a seed: planned from its text alone.
     seeded: bool = False
+    #: A sampled request (temperature > 0): its drafts cost vLLM's
+    #: sampled verification (``CostModel.verify``).
+    sampled: bool = False
     #: Its document in the engine's shared memory (None: not in it) and
     #: whether it drafts from the memory (not a seeded request's).
     memory_doc: int | None = None

@@ -103,8 +103,9 @@ class StepDrafter:
         Returns:
             ``(drafts, planned)``: per row its draft (token ids); the step as
             planned, ``(requests, query tokens per request, any tree,
-            requests with more than one query token)``, to time it (None:
-            not planned).
+            requests with more than one query token, seconds the plan counts
+            for vLLM's verification of its drafts)``, to time it (None: not
+            planned).
         """
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         if self.disable_batch_size and num_decoding >= self.disable_batch_size:
@@ -137,8 +138,8 @@ class StepDrafter:
                 self.stats.drafts += 1
                 self.stats.draft_tokens += len(drafts[r.i])
         if len(live) < len(everyone):  # a quiet step: time it as planned
-            n, q, tree, m = planned if planned is not None else (0, 1.0, False, 0)
-            planned = (len(everyone), 1 + (n * (q - 1)) / len(everyone), tree, m)
+            n, q, tree, m, ver = planned if planned is not None else (0, 1.0, False, 0, 0.0)
+            planned = (len(everyone), 1 + (n * (q - 1)) / len(everyone), tree, m, ver)
         return drafts, planned
 
     # -- planning ------------------------------------------------------------
@@ -172,12 +173,17 @@ class StepDrafter:
             return [], None
         fixed = self.planner is None  # adaptive off: the full tree every step
         views = []
+        verify = {}
+        if not fixed:
+            batch = len(live) + max(others, 0)
+            verify = {k: self.planner.cost.verify(batch, k) for k in (True, False)}
         for j, r in enumerate(live):
             r.state.lookup = lookup(r.state, token_ids[r.i], r.n_tok, r.room,
                                     self.cfg.prompt_pool, self.memory)
             if not fixed:
                 views.append(_request_view(r, token_ids, self.cfg.prompt_pool, self.trees,
                                            self.planner))
+                views[-1].verify = verify[r.state.sampled]
                 if weights is not None:
                     views[-1].weight = weights[j]
         planned = None
@@ -195,7 +201,8 @@ class StepDrafter:
             shapes = self.planner.plan(views, self.cfg.max_tree_tokens, others, explore=True)
             q = sum(sh.query for sh in shapes) / len(shapes)
             planned = (len(live), q, any(sh.kind == "tree" for sh in shapes),
-                       sum(sh.query > 1 for sh in shapes))
+                       sum(sh.query > 1 for sh in shapes),
+                       sum(v.verify_s(sh.draft) for v, sh in zip(views, shapes)))
         trees = []
         for r, shape in zip(live, shapes):
             arm = {"tree": "tree", "draft": "pool", "off": "off"}[shape.kind]
@@ -369,7 +376,8 @@ class QuietBatches:
                        for r in live)):
             self._since_full = 0
             free = [r for r in live if not r.state.seeded]
-            self._best = BestCase.of([_bound_view(r, spec_k, trees) for r in free], self.prior) \
+            self._best = BestCase.of([_bound_view(r, spec_k, trees) for r in free], self.prior,
+                                     sampled=all(r.state.sampled for r in free)) \
                 if free else None
             for r in free:
                 r.state.acc.bounded = r.state.acc.seen >= mature

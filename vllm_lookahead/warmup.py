@@ -20,6 +20,7 @@ per request, not a prefill), within :data:`BUDGET_S` seconds.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 from vllm.logger import init_logger
@@ -75,7 +76,9 @@ def build_cost_model(setting: str, runner, worker, agree=None) -> CostModel:
         logger.info("Lookahead: step cost curve from %s", where)
         return CostModel(one(curve), source=source)
     curve, loaded = measure(runner, worker, agree)
-    curve, loaded = one((curve, loaded))
+    max_seqs = runner.vllm_config.scheduler_config.max_num_seqs
+    verify = measure_verify(runner, [b for b in BATCH_LADDER if b <= max_seqs])
+    curve, loaded = one((CostCurve(curve.points, verify), loaded))
     if loaded:
         # Other processes took the cores while we timed: the curve may be
         # off. Use it for this run, but do not keep it.
@@ -84,9 +87,12 @@ def build_cost_model(setting: str, runner, worker, agree=None) -> CostModel:
         path = None
     else:
         path = cache.save(key, curve)
-    logger.info("Lookahead: step cost measured (%s), 1-token step %.1f ms%s",
+    first, nxt = curve.verify_at(1, sampled=True)
+    logger.info("Lookahead: step cost measured (%s), 1-token step %.1f ms, a sampled "
+                "draft's verification %.2f ms + %.2f ms per next token%s",
                 ", ".join(f"batch {b}: {len(p)} sizes" for b, p in curve.points.items()),
-                curve.predict(1, 1) * 1e3, f", cached in {path}" if path else "")
+                curve.predict(1, 1) * 1e3, first * 1e3, nxt * 1e3,
+                f", cached in {path}" if path else "")
     return CostModel(curve, source="measured" if not loaded else "measured-under-load")
 
 
@@ -140,6 +146,119 @@ def measure(runner, worker, agree=None) -> tuple[CostCurve, int]:
     curve = measure_curve(time_step, batches, tokens, budget_s=BUDGET_S, keep_going=keep_going,
                           clock=lambda: time.perf_counter() - waited[0])
     return curve, len(loaded)
+
+
+#: Draft tokens of the longer draft :func:`measure_verify` times.
+VERIFY_LONG = 4
+#: Timed runs per verification point (after one warm-up run); the median
+#: counts (the verifier runs on fresh logits in a step, never warm).
+VERIFY_REPEATS = 5
+#: Sampling parameters of the timed sampled requests (the common ones).
+VERIFY_TEMPERATURE, VERIFY_TOP_P = 0.8, 0.95
+
+
+def measure_verify(runner, batches) -> dict:
+    """Time vLLM's own samplers, as the engine's steps run them, for a batch
+    of ``b`` sampled (top-p) or greedy requests: the plain sampler (a step
+    without drafts; vLLM's rejection sampler over no draft where async
+    scheduling keeps it), and the rejection sampler with one request
+    drafting one token and :data:`VERIFY_LONG` tokens. Returns
+    :attr:`CostCurve.verify`: per kind and ``b``, ``(first, next)``
+    seconds, from the median of :data:`VERIFY_REPEATS` runs each.
+
+    The logits are synthetic and peaked (a handful of tokens hold nearly all
+    the mass, as a language model's next token mostly does), so top-p keeps
+    a small nucleus, as it does in decoding. A failure (a vLLM whose
+    samplers take other arguments) is logged and measures nothing: the
+    planner then counts no verification cost."""
+    try:
+        return _measure_verify(runner, batches)
+    except Exception as e:  # never stop the engine for a measurement
+        logger.warning("Lookahead: could not time vLLM's verification (%s: %s); the planner "
+                       "counts none", type(e).__name__, e)
+        return {}
+
+
+def _measure_verify(runner, batches) -> dict:
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    device = runner.device
+    vocab = runner.model_config.get_vocab_size()
+    dtype = runner.model_config.dtype
+    sampler, verifier = runner.sampler, runner.rejection_sampler
+    plain_verifier = getattr(runner, "use_async_scheduling", False)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def logits(rows: int) -> torch.Tensor:
+        x = torch.randn(rows, vocab, generator=gen)
+        top = torch.tensor([20.0, 19.5, 19.0, 17.0, 15.0])
+        x[:, : top.numel()] += top
+        return x.to(device=device, dtype=dtype)
+
+    def metadata(b: int, sampled: bool):
+        full = lambda v: torch.full((b,), v, device=device, dtype=torch.float32)  # noqa: E731
+        return SamplingMetadata(
+            temperature=full(VERIFY_TEMPERATURE) if sampled else None,
+            all_greedy=not sampled, all_random=sampled,
+            top_p=full(VERIFY_TOP_P) if sampled else None, top_k=None,
+            generators={}, max_num_logprobs=None, logprob_token_ids=None,
+            no_penalties=True, prompt_token_ids=None,
+            frequency_penalties=full(0.0), presence_penalties=full(0.0),
+            repetition_penalties=full(1.0),
+            output_token_ids=[[] for _ in range(b)], spec_token_ids=[[] for _ in range(b)],
+            allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+
+    def spec(drafts: list[int]):
+        b, n = len(drafts), sum(drafts)
+        md = SpecDecodeMetadata.make_dummy([[1] * k for k in drafts], device)
+        # vLLM's row order: each request's draft rows, then its bonus row.
+        target, bonus, row = [], [], 0
+        for k in drafts:
+            target += list(range(row, row + k))
+            bonus.append(row + k)
+            row += k + 1
+        md.target_logits_indices = torch.tensor(target, dtype=torch.int32, device=device)
+        md.bonus_logits_indices = torch.tensor(bonus, dtype=torch.int32, device=device)
+        md.logits_indices = torch.arange(n + b, dtype=torch.int32, device=device)
+        return md
+
+    def timed(call, rows: int) -> float:
+        x = logits(rows)
+        took = []
+        for _ in range(VERIFY_REPEATS + 1):
+            y = x.clone()
+            sync()
+            t0 = time.perf_counter()
+            call(y)
+            sync()
+            took.append(time.perf_counter() - t0)
+        return statistics.median(took[1:])
+
+    out: dict = {}
+    with torch.inference_mode():
+        for kind, sampled in (("sampled", True), ("greedy", False)):
+            table = {}
+            for b in batches:
+                meta = metadata(b, sampled)
+                if plain_verifier:
+                    none = spec([0] * b)
+                    plain = timed(lambda y: verifier(none, None, y, meta), b)
+                else:
+                    plain = timed(lambda y: sampler(logits=y, sampling_metadata=meta), b)
+                one, long = spec([1] + [0] * (b - 1)), spec([VERIFY_LONG] + [0] * (b - 1))
+                first = timed(lambda y: verifier(one, None, y, meta), b + 1)
+                last = timed(lambda y: verifier(long, None, y, meta), b + VERIFY_LONG)
+                table[b] = (max(first - plain, 0.0),
+                            max(last - first, 0.0) / (VERIFY_LONG - 1))
+            out[kind] = table
+    return out
 
 
 def _key(runner) -> dict:
