@@ -525,10 +525,11 @@ def test_planned_unchecked_draft_carries_its_expected_gain():
 
 def test_samples_of_one_parent_are_planned_by_who_ends_last():
     """The n samples of a request (vLLM's ids ``"{index}_{parent}"``): the one
-    with the most tokens left is planned with its tokens in full, the others
-    at the worth of a batch slot (``sibling_ahead_steps``): where a draft
-    token costs little but a request's slot too, the sample ahead is left
-    off and the others draft their lookups."""
+    with the most tokens left, more than sqrt of them ahead of its sibling,
+    is planned with the parent's tokens (2 here), the one ahead at the
+    worth of a batch slot (``sibling_ahead_steps``): where a draft token
+    costs little but a request's slot too, the sample ahead is left off and
+    the others draft their lookups."""
     from vllm_lookahead.cost_model import CostCurve, CostModel
     from vllm_lookahead.planner import Planner
     from vllm_lookahead.state import sibling_group
@@ -546,14 +547,14 @@ def test_samples_of_one_parent_are_planned_by_who_ends_last():
     text = [4, 5, 6, 9, 4, 5]
     tokens = np.zeros((3, 64), dtype=np.int32)
     live = []
-    for i, generated in enumerate((2, 5, 2)):
+    for i, generated in enumerate((1, 5, 2)):
         tokens[i, : len(text)] = text
         s = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
                       tokens[i], len(text), len(text) - generated, 16, False, 0, prior)
         s.group = "p" if i < 2 else None
         live.append(Live(i, s, len(text), 3, []))
     assert step._weights(live, live, 3)[1:] == [step.planner.slot_value(3), 1.0]
-    assert step._weights(live, live, 3)[0] == 1.0  # 14 left against its sibling's 11
+    assert step._weights(live, live, 3)[0] == 2.0  # 15 left against its sibling's 11
     drafts, _ = step.run(live, 3, 3, 3, True, tokens, lambda rows: [])
     # a slot is worth 3 * 0.001 / 0.052 tokens: the one ahead would gain
     # 0.06 * 2.4 tokens for 3 draft tokens worth 0.17

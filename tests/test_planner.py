@@ -683,15 +683,26 @@ def test_exploration_is_bounded_priced_and_stops_once_learnt():
 
 
 # -- samples of one parent ----------------------------------------------------------
-def test_sibling_weights_count_only_the_last_sample_in_full():
+def test_sibling_weights_share_the_parent_among_the_samples_that_may_end_last():
     from vllm_lookahead.planner import sibling_weights
 
-    # two parents: "a" has a unique laggard (20 left), "b" two tied at 30;
-    # a lone request and an uncapped sample count in full
+    # parent "a": 20 left at most, so its pack is within sqrt(20) = 4.5 of
+    # it (20 and 19: they share its 3 samples' tokens, 1.5 each), 12 is
+    # ahead; "b": two tied at 30 (1 each, as two requests of their own); a
+    # lone request and an uncapped sample count in full
     groups = ["a", "a", "a", "b", "b", None, "c", "c"]
     remaining = [20, 12, 19, 30, 30, 5, None, 3]
     w = sibling_weights(groups, remaining, 0.3)
-    assert w == [1.0, 0.3, 0.3, 0.3, 0.3, 1.0, 1.0, 1.0]
+    assert w == [1.5, 0.3, 1.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    # a lone laggard carries the whole parent: its every token ends it a
+    # step sooner
+    assert sibling_weights(["a"] * 3, [20, 5, 4], 0.3) == [3.0, 0.3, 0.3]
+    # samples all tied (a parent's start): each as a request of its own
+    assert sibling_weights(["a"] * 4, [64] * 4, 0.3) == [1.0] * 4
+    # the pack narrows as the end nears: 9 left, 4 ahead is out of it
+    # (sqrt(9) = 3), as 4 ahead of 64 is not (sqrt(64) = 8)
+    assert sibling_weights(["a"] * 2, [9, 5], 0.3) == [2.0, 0.3]
+    assert sibling_weights(["a"] * 2, [64, 60], 0.3) == [1.0, 1.0]
     # a parent with one live sample left: that sample counts in full
     assert sibling_weights(["a"], [7], 0.3) == [1.0]
 

@@ -93,11 +93,12 @@ class LookaheadConfig:
             benchmark results). Range 0..64.
         parent_latency: plan the n samples of one request
             (``SamplingParams.n``, best-of-n, rollouts) for the request's
-            latency: vLLM answers it when its last sample ends, so a token
-            gained by a sample that is not the last to end is worth only
-            the batch slot it frees a step early (the measured cost one
-            request adds to a step); the last one is planned as a lone
-            request (:func:`~vllm_lookahead.planner.sibling_weights`).
+            latency: vLLM answers it when its last sample ends, so the
+            samples that may still end last share the request's tokens,
+            and a token gained by a sample ahead of them is worth only the
+            batch slot it frees a step early (the measured cost one
+            request adds to a step)
+            (:func:`~vllm_lookahead.planner.sibling_weights`).
             False: every sample is planned for its own tokens (where a
             queue refills a freed slot at once, throughput may prefer it).
 

@@ -26,6 +26,7 @@ Pure Python: unit-tested on synthetic cost curves without an engine.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -123,14 +124,21 @@ class RequestView:
 def sibling_weights(groups: list, remaining: list, slot_value: float) -> list[float]:
     """What a gained token is worth to each request of a step whose
     requests may be the n samples of one parent request (vLLM answers the
-    parent when its last sample ends).
+    parent when its last sample ends), in tokens of the step.
 
-    A sample that is not the unique laggard of its parent's live samples
-    (the most tokens left to its ``max_tokens``, strictly more than every
-    sibling) ends no sooner for the parent when it gains a token: the gain
-    only frees its batch slot a step earlier, worth ``slot_value`` tokens
-    (:meth:`Planner.slot_value`). The unique laggard's tokens, and those of
-    a request without live siblings or without an output cap, are worth 1.
+    A parent's end moves with the sample that ends last. The samples that
+    may still be it are its *pack*: those within ``sqrt(R)`` tokens of the
+    most tokens any of them has left, ``R``, to its ``max_tokens`` (at
+    least the ones tied at ``R``): over the steps left, their advances
+    spread by about that much, so any of them may end last. A pack of
+    ``m`` of the parent's ``k`` live samples shares the parent's ``k``
+    tokens a step: each of its samples' tokens is worth ``k / m`` (1 when
+    all are in it, as for ``k`` requests of their own; ``k`` for a lone
+    laggard, whose every token ends the parent a step sooner). A sample
+    ahead of the pack ends no sooner for the parent when it gains a token:
+    the gain only frees its batch slot a step earlier, worth
+    ``slot_value`` tokens (:meth:`Planner.slot_value`). A request without
+    live siblings or without an output cap is worth 1.
 
     Args:
         groups: per request, its parent (None: not one of n samples).
@@ -150,10 +158,11 @@ def sibling_weights(groups: list, remaining: list, slot_value: float) -> list[fl
         if len(rows) < 2 or any(remaining[r] is None for r in rows):
             continue
         top = max(remaining[r] for r in rows)
-        lead = [r for r in rows if remaining[r] == top]
+        margin = math.sqrt(max(top, 0))
+        pack = [r for r in rows if remaining[r] >= top - margin]
+        share = len(rows) / len(pack)
         for r in rows:
-            if not (len(lead) == 1 and r == lead[0]):
-                out[r] = slot_value
+            out[r] = share if remaining[r] >= top - margin else slot_value
     return out
 
 
