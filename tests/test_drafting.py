@@ -560,3 +560,4 @@ def test_samples_of_one_parent_are_planned_by_who_ends_last():
     # 0.06 * 2.4 tokens for 3 draft tokens worth 0.17
     assert drafts == [[6, 9, 4], [], [6, 9, 4]]
     assert stats.sibling_ahead_steps == 3  # two _weights calls above and the step
+    assert stats.sibling_steps == 6  # the two samples, three times

@@ -228,10 +228,11 @@ def test_planner_follows_the_cost_curve_and_stays_exact(smollm2_path, prompts, v
 def test_n_samples_are_planned_for_their_parent(smollm2_path, prompts, vanilla, tmp_path,
                                                 parent):
     """The samples of an ``n`` > 1 request reach the proposer as siblings
-    (vLLM's child ids): with ``parent_latency`` (the default) those not last
-    to end are planned at a batch slot's worth (``sibling_ahead_steps``);
-    off, never. Separate requests are never siblings; greedy output next to
-    them stays exact."""
+    (vLLM's child ids): with ``parent_latency`` (the default) they are
+    planned for their parent (``sibling_steps``; those ahead of the samples
+    that may still end last at a batch slot's worth,
+    ``sibling_ahead_steps``); off, never. Separate requests are never
+    siblings; greedy output next to them stays exact."""
     from vllm import SamplingParams
 
     spec = {**LOOKAHEAD, "adaptive": True, "parent_latency": parent,
@@ -239,7 +240,7 @@ def test_n_samples_are_planned_for_their_parent(smollm2_path, prompts, vanilla, 
     with engine(smollm2_path, spec, max_num_seqs=16) as llm:
         generate_ids(llm, prompts[:3], _params(), batch=True)
         flush(llm)
-        apart = proposer(llm).get_stats()["sibling_ahead_steps"]
+        apart = proposer(llm).get_stats()["sibling_steps"]
         outs = llm.generate(prompts[:2] + prompts[:1],
                             [SamplingParams(temperature=0.8, top_p=0.95, n=3,
                                             max_tokens=MAX_TOKENS)] * 2 + [_params()],
@@ -250,10 +251,12 @@ def test_n_samples_are_planned_for_their_parent(smollm2_path, prompts, vanilla, 
     assert [len(o.outputs) for o in outs] == [3, 3, 1]
     assert all(0 < len(c.token_ids) <= MAX_TOKENS for o in outs[:2] for c in o.outputs)
     _same([list(outs[2].outputs[0].token_ids)], vanilla[:1])
+    assert st["sibling_ahead_steps"] <= st["sibling_steps"]
     if parent:
-        assert st["sibling_ahead_steps"] > 0, st
+        # 2 parents of 3 samples: every step they decode with a sibling
+        assert st["sibling_steps"] > 0, st
     else:
-        assert st["sibling_ahead_steps"] == 0, st
+        assert st["sibling_steps"] == st["sibling_ahead_steps"] == 0, st
 
 
 def test_quiet_batches_skip_the_work_and_stay_exact(smollm2_path, prompts, vanilla, tmp_path):

@@ -66,9 +66,11 @@ class LookaheadStats:
         catch_up_requests: fused mode: catch-up trees, a request without a
             checked chain (its first step, a miss, a chain used up)
             re-anchoring inside its step, with no extra forward.
-        sibling_ahead_steps: request-steps planned with a token worth less
-            than a token: one of n samples not the last of its parent's to
-            end (:func:`~vllm_lookahead.planner.sibling_weights`).
+        sibling_steps: request-steps planned as one of the n samples of a
+            parent with another sample live (``parent_latency``).
+        sibling_ahead_steps: those of them planned with a token worth less
+            than a token: a sample ahead of those that may still end last
+            (:func:`~vllm_lookahead.planner.sibling_weights`).
         arm_steps: request-steps by how the request ran: "tree", "pool"
             (a draft without tree: the last tree's checked chain or the
             unchecked lookup) or "off" (no draft).
@@ -95,6 +97,7 @@ class LookaheadStats:
     steps_window_off: int = 0
     steps_off: int = 0
     steps_quiet: int = 0
+    sibling_steps: int = 0
     sibling_ahead_steps: int = 0
     planned_gain: float = 0.0
     planned_gain_seen: int = 0

@@ -159,6 +159,11 @@ class StepDrafter:
         w = sibling_weights(groups, remaining, self.planner.slot_value(batch))
         by_row = {r.i: x for r, x in zip(everyone, w)}
         out = [by_row[r.i] for r in live]
+        live_groups = {}
+        for g, left in zip(groups, remaining):
+            if g is not None and left is not None:
+                live_groups[g] = live_groups.get(g, 0) + 1
+        self.stats.sibling_steps += sum(live_groups.get(r.state.group, 0) >= 2 for r in live)
         self.stats.sibling_ahead_steps += sum(x < 1.0 for x in out)
         return out
 
