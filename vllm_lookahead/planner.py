@@ -121,6 +121,18 @@ class RequestView:
         return self.verify[0] + self.verify[1] * (draft - 1)
 
 
+def sibling_rows(groups: list, remaining: list) -> list[list[int]]:
+    """The requests planned for their parent (:func:`sibling_weights`), by
+    parent: the rows of each parent with two or more live samples, all with
+    an output cap (``groups``, ``remaining`` as there)."""
+    members: dict = {}
+    for r, g in enumerate(groups):
+        if g is not None:
+            members.setdefault(g, []).append(r)
+    return [rows for rows in members.values()
+            if len(rows) >= 2 and all(remaining[r] is not None for r in rows)]
+
+
 def sibling_weights(groups: list, remaining: list, slot_value: float) -> list[float]:
     """What a gained token is worth to each request of a step whose
     requests may be the n samples of one parent request (vLLM answers the
@@ -149,14 +161,8 @@ def sibling_weights(groups: list, remaining: list, slot_value: float) -> list[fl
     Returns:
         per request, its weight (``RequestView.weight``).
     """
-    members: dict = {}
-    for r, g in enumerate(groups):
-        if g is not None:
-            members.setdefault(g, []).append(r)
     out = [1.0] * len(groups)
-    for rows in members.values():
-        if len(rows) < 2 or any(remaining[r] is None for r in rows):
-            continue
+    for rows in sibling_rows(groups, remaining):
         top = max(remaining[r] for r in rows)
         margin = math.sqrt(max(top, 0))
         pack = [r for r in rows if remaining[r] >= top - margin]
@@ -351,8 +357,7 @@ class Planner:
             def plain(batch, tokens):
                 return self.cost.predict(batch, tokens, False)
         step = max(plain(1, 1), 1e-12)
-        measured = getattr(self.cost, "verify", None)
-        first, nxt = measured(1, True) if callable(measured) else (0.0, 0.0)
+        first, nxt = self.verify(1, True)
         if not (first or nxt):
             first, nxt = step * self.SEEDED_FIRST, step * self.SEEDED_NEXT
         best, best_rate = 0, 1.0 / step
@@ -362,6 +367,13 @@ class Planner:
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
+
+    def verify(self, batch: int, sampled: bool) -> tuple[float, float]:
+        """What vLLM's verifier adds for a draft of a request of a
+        ``batch``-request step (:meth:`CostModel.verify`); ``(0, 0)`` for a
+        cost without it (a bare curve in tests)."""
+        measured = getattr(self.cost, "verify", None)
+        return measured(batch, sampled) if callable(measured) else (0.0, 0.0)
 
     def slot_value(self, batch: int) -> float:
         """What a request's token is worth, in tokens of a ``batch``-request
@@ -394,14 +406,10 @@ class Planner:
         c0 = self.cost.predict(batch, 1.0, tree=False)
         lam = batch / c0  # the all-off plan's tokens per second
         # vLLM's verification of a draft, at least (none under a tree)
-        verify = getattr(self.cost, "verify", None)
-        if callable(verify):
-            first, nxt = verify(batch, True)
-            if not best.sampled:
-                g_first, g_next = verify(batch, False)
-                first, nxt = min(first, g_first), min(nxt, g_next)
-        else:
-            first = nxt = 0.0
+        first, nxt = self.verify(batch, True)
+        if not best.sampled:
+            g_first, g_next = self.verify(batch, False)
+            first, nxt = min(first, g_first), min(nxt, g_next)
 
         def pays(gain: float, query: int, tree: bool, extra: float = 0.0) -> bool:
             sec = self.cost.predict(batch, (batch - 1 + query) / batch, tree=tree, drafting=1)

@@ -308,7 +308,7 @@ class LookaheadProposer:
         state = new_state(settings, tokens, n_tok, n_prompt, getattr(params, "max_tokens", None),
                           seeded, self.cfg.seed, self.prior)
         state.group = sibling_group(req_id)
-        state.sampled = float(getattr(params, "temperature", 0.0) or 0.0) >= 1e-5
+        state.sampled = _sampling(params)
         if self.memory is not None and settings.enabled and settings.shared_memory:
             extra = getattr(params, "extra_args", None) or {}
             state.memory_scope = int(extra.get(SCOPE_KEY, 0) or 0)
@@ -418,9 +418,12 @@ def _rank0_choice(obj):
     return group.broadcast_object(obj, src=0)
 
 
+def _sampling(params) -> bool:
+    """A sampled request (temperature > 0, as vLLM tells greedy apart)."""
+    return params is not None and float(getattr(params, "temperature", 0.0) or 0.0) >= 1e-5
+
+
 def _seeded_sampling(params) -> bool:
     """A sampled request with its own seed: vLLM gives it the same tokens
     at every run, so nothing that decides its drafts may depend on timing."""
-    if params is None or getattr(params, "seed", None) is None:
-        return False
-    return float(getattr(params, "temperature", 0.0) or 0.0) >= 1e-5
+    return _sampling(params) and getattr(params, "seed", None) is not None

@@ -55,7 +55,14 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_lookahead.drafting import Live, candidates, lookup, read_tree, unchecked_draft
-from vllm_lookahead.planner import OFF, BestCase, RequestView, Shape, sibling_weights
+from vllm_lookahead.planner import (
+    OFF,
+    BestCase,
+    RequestView,
+    Shape,
+    sibling_rows,
+    sibling_weights,
+)
 from vllm_lookahead.trees import TreeAsk, plan_trees
 
 
@@ -159,11 +166,8 @@ class StepDrafter:
         w = sibling_weights(groups, remaining, self.planner.slot_value(batch))
         by_row = {r.i: x for r, x in zip(everyone, w)}
         out = [by_row[r.i] for r in live]
-        live_groups = {}
-        for g, left in zip(groups, remaining):
-            if g is not None and left is not None:
-                live_groups[g] = live_groups.get(g, 0) + 1
-        self.stats.sibling_steps += sum(live_groups.get(r.state.group, 0) >= 2 for r in live)
+        planned = {everyone[j].i for rows in sibling_rows(groups, remaining) for j in rows}
+        self.stats.sibling_steps += sum(r.i in planned for r in live)
         self.stats.sibling_ahead_steps += sum(x < 1.0 for x in out)
         return out
 
@@ -181,7 +185,7 @@ class StepDrafter:
         verify = {}
         if not fixed:
             batch = len(live) + max(others, 0)
-            verify = {k: self.planner.cost.verify(batch, k) for k in (True, False)}
+            verify = {k: self.planner.verify(batch, k) for k in (True, False)}
         for j, r in enumerate(live):
             r.state.lookup = lookup(r.state, token_ids[r.i], r.n_tok, r.room,
                                     self.cfg.prompt_pool, self.memory)
