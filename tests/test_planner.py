@@ -6,9 +6,11 @@ up to 128), with high and zero acceptance."""
 from __future__ import annotations
 
 import json
+import math
 import logging
 import random
 
+import numpy as np
 import pytest
 
 from vllm_lookahead.acceptance import (
@@ -683,28 +685,89 @@ def test_exploration_is_bounded_priced_and_stops_once_learnt():
 
 
 # -- samples of one parent ----------------------------------------------------------
-def test_sibling_weights_share_the_parent_among_the_samples_that_may_end_last():
+def test_sibling_weights_value_the_share_that_ends_the_parent():
     from vllm_lookahead.planner import sibling_weights
 
-    # parent "a": 20 left at most, so its pack is within sqrt(20) = 4.5 of
-    # it (20 and 19: they share its 3 samples' tokens, 1.5 each), 12 is
-    # ahead; "b": two tied at 30 (1 each, as two requests of their own); a
-    # lone request and an uncapped sample count in full
+    def end(k):
+        return 0.5 * k
+
+    # parent "a": 20 left carries it (12 and 4 are far ahead, a slot each);
+    # "b": two tied at 30 with drafts that rarely hit: a token of one ends
+    # the parent only where it would have ended last; a lone request and an
+    # uncapped sample count in full
     groups = ["a", "a", "a", "b", "b", None, "c", "c"]
-    remaining = [20, 12, 19, 30, 30, 5, None, 3]
-    w = sibling_weights(groups, remaining, 0.3)
-    assert w == [1.5, 0.3, 1.5, 1.0, 1.0, 1.0, 1.0, 1.0]
-    # a lone laggard carries the whole parent: its every token ends it a
-    # step sooner
-    assert sibling_weights(["a"] * 3, [20, 5, 4], 0.3) == [3.0, 0.3, 0.3]
-    # samples all tied (a parent's start): each as a request of its own
-    assert sibling_weights(["a"] * 4, [64] * 4, 0.3) == [1.0] * 4
-    # the pack narrows as the end nears: 9 left, 4 ahead is out of it
-    # (sqrt(9) = 3), as 4 ahead of 64 is not (sqrt(64) = 8)
-    assert sibling_weights(["a"] * 2, [9, 5], 0.3) == [2.0, 0.3]
-    assert sibling_weights(["a"] * 2, [64, 60], 0.3) == [1.0, 1.0]
+    remaining = [20, 12, 4, 30, 30, 5, None, 3]
+    draws = [(0.5, 3)] * 8
+    w = sibling_weights(groups, remaining, lambda k: 0.3, end, draws)
+    # end(3) = 1.5 where its every token ends the parent (12 left may
+    # still, rarely, end after it)
+    assert 1.35 < w[0] <= 1.5
+    assert w[1] == pytest.approx(0.3, abs=0.05) and w[2] == pytest.approx(0.3, abs=1e-6)
+    assert 0.3 < w[3] == w[4] < 1.0
+    assert w[5:] == [1.0, 1.0, 1.0]
     # a parent with one live sample left: that sample counts in full
-    assert sibling_weights(["a"], [7], 0.3) == [1.0]
+    assert sibling_weights(["a"], [7], lambda k: 0.3, end, [(0.5, 3)]) == [1.0]
+
+
+def test_end_shares_of_sixteen_tied_samples_sum_to_less_than_one():
+    """Sixteen samples at a parent's start, each drafting now and then:
+    each is the last with probability about 1/16, and a random gain moves
+    the max less than its mean (ties, and the spread it adds)."""
+    from vllm_lookahead.siblings import end_shares
+
+    shares = end_shares([64] * 16, [(0.5, 3)] * 16)
+    assert len(set(shares)) == 1
+    assert 0.5 / 16 < shares[0] < 1 / 16
+    # alone, every token ends the parent sooner; far ahead, none does
+    assert end_shares([9], [(0.5, 3)]) == [1.0]
+    assert end_shares([30, 5, 5], [(0.5, 3)] * 3) == pytest.approx([1.0, 0.0, 0.0], abs=1e-3)
+    # further behind, more of its gain ends the parent
+    s = end_shares([40, 38, 36, 30], [(0.4, 3)] * 4)
+    assert s[0] > s[1] > s[2] > s[3] >= 0.0 and sum(s) <= 1.0 + 1e-9
+    # a sample that drafts better ends sooner: its tie-mate is the laggard
+    s = end_shares([40, 40], [(0.8, 3), (0.1, 3)])
+    assert s[1] > s[0]
+
+
+def test_end_shares_agree_with_a_monte_carlo_of_the_model():
+    """The grid integral against sampled ends: S_i normal with the module's
+    mean and spread, the sample's gain A drawn from its pmf."""
+    from vllm_lookahead.siblings import SPREAD_FLOOR, accepted_pmf, end_shares
+
+    rng = np.random.default_rng(0)
+    remaining = [24, 22, 22, 15]
+    draws = [(0.6, 3), (0.3, 2), (0.5, 4), (0.5, 3)]
+    shares = end_shares(remaining, draws)
+    pmfs = [accepted_pmf(p, k) for p, k in draws]
+    mu = np.array([np.arange(len(f)) @ f for f in pmfs])
+    var = np.array([(np.arange(len(f)) ** 2) @ f for f in pmfs]) - mu ** 2
+    r = np.array(remaining, dtype=float)
+    mean = r / (1 + mu)
+    sd = np.sqrt(r * var / (1 + mu) ** 3 + SPREAD_FLOOR ** 2)
+    n = 400_000
+    ends = rng.normal(mean, sd, size=(n, len(r)))
+    base = ends.max(axis=1)
+    for j in range(len(r)):
+        a = rng.choice(len(pmfs[j]), size=n, p=pmfs[j])
+        moved = ends.copy()
+        moved[:, j] -= a / (1 + mu[j])
+        mc = float(np.mean(base - moved.max(axis=1))) * (1 + mu[j]) / mu[j]
+        assert shares[j] == pytest.approx(mc, abs=0.01)
+
+
+def test_end_value_is_the_parents_last_step_at_the_plain_rate():
+    def fn(total):  # a step of b requests costs 1 + 0.1 (b - 1) plain steps
+        return 1.0 + 0.1 * (total - 1)
+
+    planner = Planner(CostModel(curve_from(fn, tokens=(1, 2, 4))))
+    # 4 samples alone: the last runs alone, c(1) = 1 against c(4) = 1.3
+    assert planner.end_value(4, 4) == pytest.approx(4 * 1.0 / 1.3, rel=1e-3)
+    # 2 samples among 4: the last step keeps the 2 others, c(3) = 1.2
+    # 2 samples among 4: the last step keeps the 2 others, c(3) = 1.2, but
+    # a parent's step is worth at most its samples' tokens
+    assert planner.end_value(4, 2) == 2.0
+    assert planner.end_value(8, 8) == pytest.approx(8 * 1.0 / 1.7, rel=1e-2)
+    assert planner.end_value(1, 1) == 1.0
 
 
 def test_slot_value_is_the_marginal_request_at_the_plain_rate():
@@ -717,6 +780,19 @@ def test_slot_value_is_the_marginal_request_at_the_plain_rate():
     assert planner.slot_value(4) == pytest.approx(4 * 0.1 / 1.3, rel=1e-3)
     # a flat machine: a sample ahead frees nothing
     assert Planner(model(gpu)).slot_value(4) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_drain_value_is_the_mean_slot_over_the_parents_drain():
+    """A sample's freed slot is freed near its parent's end, as the
+    samples leave the step: on a machine whose cost rises slower with the
+    batch (sqrt), the mean over that drain is worth more than the slot at
+    the full batch."""
+    planner = Planner(CostModel(curve_from(math.sqrt, batches=(1, 2, 3, 4), tokens=(1, 2, 4))))
+    # c(b) = sqrt(b): the last slot at 4 is 4 (2 - sqrt 3) / 2
+    assert planner.slot_value(4) == pytest.approx(2 * (2 - math.sqrt(3)), rel=1e-3)
+    # the 4 samples drain from 4 to 1: 4 (2 - 1) / (3 * 2)
+    assert planner.drain_value(4, 4) == pytest.approx(4 / 6, rel=1e-3)
+    assert planner.drain_value(4, 1) == planner.slot_value(4)
 
 
 def test_a_sample_ahead_of_its_siblings_drafts_only_where_a_slot_pays():

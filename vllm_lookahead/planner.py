@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 from vllm_lookahead.acceptance import RequestAcceptance, geometric_gain
 from vllm_lookahead.attn_mask import tree_size
+from vllm_lookahead.siblings import end_shares
 
 #: Steps a tree is expected to keep running once started, before the engine
 #: has seen any (a fused tree that starts without a checked chain confirms
@@ -133,42 +134,44 @@ def sibling_rows(groups: list, remaining: list) -> list[list[int]]:
             if len(rows) >= 2 and all(remaining[r] is not None for r in rows)]
 
 
-def sibling_weights(groups: list, remaining: list, slot_value: float) -> list[float]:
+def sibling_weights(groups: list, remaining: list, slot_value, end_value,
+                    draws: list) -> list[float]:
     """What a gained token is worth to each request of a step whose
     requests may be the n samples of one parent request (vLLM answers the
     parent when its last sample ends), in tokens of the step.
 
-    A parent's end moves with the sample that ends last. The samples that
-    may still be it are its *pack*: those within ``sqrt(R)`` tokens of the
-    most tokens any of them has left, ``R``, to its ``max_tokens`` (at
-    least the ones tied at ``R``): over the steps left, their advances
-    spread by about that much, so any of them may end last. A pack of
-    ``m`` of the parent's ``k`` live samples shares the parent's ``k``
-    tokens a step: each of its samples' tokens is worth ``k / m`` (1 when
-    all are in it, as for ``k`` requests of their own; ``k`` for a lone
-    laggard, whose every token ends the parent a step sooner). A sample
-    ahead of the pack ends no sooner for the parent when it gains a token:
-    the gain only frees its batch slot a step earlier, worth
-    ``slot_value`` tokens (:meth:`Planner.slot_value`). A request without
-    live siblings or without an output cap is worth 1.
+    Of what a sample's draft is expected to gain, the share that ends the
+    parent sooner (:func:`~vllm_lookahead.siblings.end_shares`: where the
+    sample would end last, by what it leaves it behind the next) is worth
+    ``end_value(k)`` tokens a parent step (``k``: the parent's live
+    samples, :meth:`Planner.end_value`); the rest only frees the sample's
+    batch slot a step earlier, worth ``slot_value(k)`` a token
+    (:meth:`Planner.drain_value`). So sixteen tied samples that draft now and
+    then are worth about ``end_value / 16`` and their slot; a lone laggard
+    ``end_value``. A request without live siblings or without an output
+    cap is worth 1.
 
     Args:
         groups: per request, its parent (None: not one of n samples).
         remaining: per request, tokens left to its ``max_tokens`` (None:
             no cap).
-        slot_value: the worth of a token of a sample ahead, in [0, 1].
+        slot_value: ``k -> tokens`` of the step that a token is worth
+            which only frees a batch slot of a parent with ``k`` live
+            samples, in [0, 1] (:meth:`Planner.drain_value`).
+        end_value: ``k -> tokens`` of the step a parent step of a parent
+            with ``k`` live samples is worth (:meth:`Planner.end_value`).
+        draws: per request, ``(p, K)``: its typical draft's per-token
+            acceptance and length.
 
     Returns:
         per request, its weight (``RequestView.weight``).
     """
     out = [1.0] * len(groups)
     for rows in sibling_rows(groups, remaining):
-        top = max(remaining[r] for r in rows)
-        margin = math.sqrt(max(top, 0))
-        pack = [r for r in rows if remaining[r] >= top - margin]
-        share = len(rows) / len(pack)
-        for r in rows:
-            out[r] = share if remaining[r] >= top - margin else slot_value
+        shares = end_shares([remaining[r] for r in rows], [draws[r] for r in rows])
+        value, slot = end_value(len(rows)), slot_value(len(rows))
+        for r, share in zip(rows, shares):
+            out[r] = share * value + (1.0 - share) * slot
     return out
 
 
@@ -389,10 +392,40 @@ class Planner:
             return 1.0
         return min(max(batch * (c - c_less) / c, 0.0), 1.0)
 
+    def drain_value(self, batch: int, samples: int) -> float:
+        """What a token of one of a parent's ``samples`` live samples is
+        worth, in tokens of a ``batch``-request step, when it only frees the
+        sample's batch slot a step earlier (:func:`sibling_weights`): the
+        slot is freed near the parent's end, as its samples drain from the
+        step, so at the mean cost one of them adds over that drain,
+        ``b (c(b) - c(b - k + 1)) / ((k - 1) c(b))``, at the plain step's
+        tokens per second; :meth:`slot_value` for a lone sample."""
+        if batch <= 1 or samples <= 1:
+            return self.slot_value(batch)
+        c = self.cost.predict(batch, 1.0, tree=False)
+        last = self.cost.predict(max(batch - samples + 1, 1), 1.0, tree=False)
+        if c <= 0:
+            return 1.0
+        return min(max(batch * (c - last) / ((samples - 1) * c), 0.0), 1.0)
+
+    def end_value(self, batch: int, samples: int) -> float:
+        """What ending a parent request of ``samples`` live samples a step
+        sooner is worth, in tokens of a ``batch``-request step
+        (:func:`sibling_weights`): its last step runs its last sample with
+        the step's other requests, ``c(batch - samples + 1)`` seconds, at the
+        plain step's tokens per second ``batch / c(batch)``; between
+        :meth:`slot_value` and ``samples``."""
+        c = self.cost.predict(batch, 1.0, tree=False)
+        if c <= 0 or batch <= 1:
+            return 1.0
+        last = self.cost.predict(max(batch - samples + 1, 1), 1.0, tree=False)
+        return min(max(batch * last / c, self.slot_value(batch)), float(samples))
+
     # -- the batch ---------------------------------------------------------------
-    def any_pays(self, batch: int, best: BestCase) -> bool:
+    def any_pays(self, batch: int, best: BestCase, weight: float = 1.0) -> bool:
         """Whether :meth:`plan` could give any request of a ``batch``-request
-        step a draft or a tree, for requests no better than ``best``.
+        step a draft or a tree, for requests no better than ``best`` whose
+        gained tokens are worth at most ``weight`` (``RequestView.weight``).
 
         :meth:`plan` starts from every request off and moves a request only
         where a shape beats off with the others off. Here each shape's gain
@@ -413,7 +446,7 @@ class Planner:
 
         def pays(gain: float, query: int, tree: bool, extra: float = 0.0) -> bool:
             sec = self.cost.predict(batch, (batch - 1 + query) / batch, tree=tree, drafting=1)
-            return gain > lam * (sec + extra - c0) + 1e-12
+            return max(weight, 0.0) * gain > lam * (sec + extra - c0) + 1e-12
 
         for k in draft_lengths(best.max_draft):
             if pays(geometric_gain(best.p_unchecked, k), 1 + k, False, first + nxt * (k - 1)):

@@ -69,7 +69,7 @@ class LookaheadStats:
         sibling_steps: request-steps planned as one of the n samples of a
             parent with another sample live (``parent_latency``).
         sibling_ahead_steps: those of them planned with a token worth less
-            than a token: a sample ahead of those that may still end last
+            than a token: a sample unlikely to end last
             (:func:`~vllm_lookahead.planner.sibling_weights`).
         arm_steps: request-steps by how the request ran: "tree", "pool"
             (a draft without tree: the last tree's checked chain or the

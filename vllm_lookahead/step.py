@@ -89,6 +89,8 @@ class StepDrafter:
         #: cannot serve the lookahead branch: prompt-lookup drafts only).
         self.trees = True
         self.quiet = QuietBatches(stats, prior)
+        #: batch rows planned for their parent this step (:meth:`_weights`)
+        self._planned_rows: set[int] = set()
         #: The engine's shared memory (:class:`~vllm_lookahead.memory.
         #: SharedMemory`; None: ``shared_memory`` off).
         self.memory = None
@@ -120,11 +122,18 @@ class StepDrafter:
             for r in live:
                 r.state.draft_sources, r.state.lookup = [], []
             live = []
-        everyone, live = live, self.quiet.keep(live, spec_k, joined, self.planner, self.trees)
+        everyone = live
+        by_row = self._weights(everyone, num_decoding)
+        live = self.quiet.keep(live, spec_k, joined, self.planner, self.trees,
+                               weight=max(by_row.values()) if by_row else 1.0)
         if self.cfg.prompt_pool:
             for r in live:
                 r.state.add_context_ngrams(token_ids[r.i], r.state.settings.ngram_size, r.n_tok)
-        weights = self._weights(everyone, live, num_decoding)
+        weights = None
+        if by_row is not None and live:
+            weights = [by_row[r.i] for r in live]
+            self.stats.sibling_steps += sum(r.i in self._planned_rows for r in live)
+            self.stats.sibling_ahead_steps += sum(x < 1.0 for x in weights)
         trees, planned = self._plan(live, drafts, token_ids, others=len(everyone) - len(live),
                                     weights=weights)
         window_cut = False  # the budget left a tree's window out (counted once a step)
@@ -150,26 +159,29 @@ class StepDrafter:
         return drafts, planned
 
     # -- planning ------------------------------------------------------------
-    def _weights(self, everyone: list[Live], live: list[Live], batch: int) -> list[float] | None:
-        """Per request of ``live``, what a token it gains is worth
-        (:func:`~vllm_lookahead.planner.sibling_weights` over the samples
-        of one parent decoding this step, ``everyone``); None: all 1."""
-        if (self.planner is None or not self.cfg.parent_latency or not live
-                or not any(r.state.group for r in live)):
+    def _weights(self, everyone: list[Live], batch: int) -> dict[int, float] | None:
+        """Per request of ``everyone`` (by batch row), what a token it gains
+        is worth (:func:`~vllm_lookahead.planner.sibling_weights` over the
+        samples of one parent decoding this step); None: all 1. Sets
+        :attr:`_planned_rows`, the rows planned for their parent."""
+        self._planned_rows = set()
+        if (self.planner is None or not self.cfg.parent_latency or not everyone
+                or not any(r.state.group for r in everyone)):
             return None
-        groups, remaining = [], []
+        groups, remaining, draws = [], [], []
         for r in everyone:
             st = r.state
             groups.append(st.group)
             remaining.append(None if st.max_tokens is None
                              else st.max_tokens - (r.n_tok - st.num_prompt_tokens))
-        w = sibling_weights(groups, remaining, self.planner.slot_value(batch))
-        by_row = {r.i: x for r, x in zip(everyone, w)}
-        out = [by_row[r.i] for r in live]
-        planned = {everyone[j].i for rows in sibling_rows(groups, remaining) for j in rows}
-        self.stats.sibling_steps += sum(r.i in planned for r in live)
-        self.stats.sibling_ahead_steps += sum(x < 1.0 for x in out)
-        return out
+            # its typical draft: its last lookup's kind, N - 1 tokens
+            draws.append((st.acc.unchecked[st.lookup_kind].p * st.acc.prior.calibration,
+                          max(1, min(st.settings.ngram_size - 1, r.room))))
+        w = sibling_weights(groups, remaining, lambda k: self.planner.drain_value(batch, k),
+                            lambda k: self.planner.end_value(batch, k), draws)
+        self._planned_rows = {everyone[j].i for rows in sibling_rows(groups, remaining)
+                              for j in rows}
+        return {r.i: x for r, x in zip(everyone, w)}
 
     def _plan(self, live: list[Live], drafts, token_ids,
               others: int = 0, weights: list[float] | None = None) -> tuple[list, tuple | None]:
@@ -366,16 +378,17 @@ class QuietBatches:
         self.stats = stats
         self.prior = prior
         #: The bound of the batch's requests (taken at the last full step),
-        #: steps since, and (batch size, whether any draft could pay) for
-        #: the bound.
+        #: steps since, and (batch size, weight, whether any draft could
+        #: pay) for the bound.
         self._best: BestCase | None = None
         self._since_full = 0
-        self._pays: tuple[int, bool] | None = None
+        self._pays: tuple[int, float, bool] | None = None
 
     def keep(self, live: list[Live], spec_k: int, joined: bool, planner,
-             trees: bool = True) -> list[Live]:
+             trees: bool = True, weight: float = 1.0) -> list[Live]:
         """The requests of ``live`` that need this step's work (all of them
-        without a ``planner``)."""
+        without a ``planner``); ``weight``: the most a token any of them
+        gains is worth (``RequestView.weight``)."""
         if planner is None or not live:
             return live
         self._since_full += 1
@@ -393,9 +406,10 @@ class QuietBatches:
             self._pays = None
             return live
         b = len(live)
-        if self._pays is None or self._pays[0] != b:
-            self._pays = (b, planner.any_pays(b, self._best))
-        if self._pays[1]:
+        w = round(weight, 1)
+        if self._pays is None or self._pays[:2] != (b, w):
+            self._pays = (b, w, planner.any_pays(b, self._best, w))
+        if self._pays[2]:
             return live
         self.stats.steps_quiet += 1
         keep = []
