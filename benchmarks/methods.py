@@ -48,7 +48,9 @@ _LA_FLAGS = {
     # the n-gram memory shared across requests (engine setting shared_memory)
     "mem": ("shared_memory", True),
     "nomem": ("shared_memory", False),
-    # the n samples of a request planned for their own tokens, not the parent's end
+    # the n samples of a request planned for the parent's end (parent_latency)
+    # or for their own tokens (the default)
+    "parent": ("parent_latency", True),
     "noparent": ("parent_latency", False),
 }
 

@@ -503,6 +503,8 @@ def test_shared_memory_flags() -> None:
         methods.parse_method("la:nomem,shared_memory=true")
     assert methods.parse_method("la:noparent").spec == {"method": "lookahead",
                                                        "parent_latency": False}
+    assert methods.parse_method("la:parent").spec == {"method": "lookahead",
+                                                     "parent_latency": True}
 
 
 def test_unavailable_suffix_is_skipped_with_a_line(capsys) -> None:

@@ -228,10 +228,9 @@ def test_planner_follows_the_cost_curve_and_stays_exact(smollm2_path, prompts, v
 def test_n_samples_are_planned_for_their_parent(smollm2_path, prompts, vanilla, tmp_path,
                                                 parent):
     """The samples of an ``n`` > 1 request reach the proposer as siblings
-    (vLLM's child ids): with ``parent_latency`` (the default) they are
-    planned for their parent (``sibling_steps``; those ahead of the samples
-    that may still end last at a batch slot's worth,
-    ``sibling_ahead_steps``); off, never. Separate requests are never
+    (vLLM's child ids): with ``parent_latency`` they are planned for their
+    parent (``sibling_steps``; those whose tokens are worth less than a
+    token, ``sibling_ahead_steps``); off (the default), never. Separate requests are never
     siblings; greedy output next to them stays exact."""
     from vllm import SamplingParams
 
