@@ -98,9 +98,9 @@ class LookaheadConfig:
             sample would have ended last, and the batch slot it frees
             otherwise (:func:`~vllm_lookahead.planner.sibling_weights`,
             :mod:`~vllm_lookahead.siblings`). False (the default): every
-            sample is planned for its own tokens; on the CPUs measured the
-            two were level (README) and this costs the proposer 0.2-0.5 ms
-            a step at 16 samples.
+            sample is planned for its own tokens; on the CPU measured the
+            two were level (README) and this costs the proposer 0.4-0.6 ms
+            a step at 4 and 16 samples.
 
     The defaults (N, W, G) = (4, 3, 3) are the fastest measured on a 2-core
     CPU (bfloat16, SmolLM2-135M, HumanEval and MT-Bench): there every query
