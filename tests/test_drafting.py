@@ -554,7 +554,7 @@ def test_samples_of_one_parent_are_planned_by_who_ends_last():
                       tokens[i], len(text), len(text) - generated, 16, False, 0, prior)
         s.group = "p" if i < 2 else None
         live.append(Live(i, s, len(text), 3, []))
-    w = step._weights(live, 3)
+    w, _ = step._weights(live, 3)
     slot = step.planner.drain_value(3, 2)
     # 15 left against its sibling's 7: it ends the parent (worth the
     # parent's last step, 2 tokens here), its sibling only frees a slot

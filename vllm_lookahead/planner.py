@@ -26,7 +26,6 @@ Pure Python: unit-tested on synthetic cost curves without an engine.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -402,8 +401,7 @@ class Planner:
         tokens per second; :meth:`slot_value` for a lone sample."""
         if batch <= 1 or samples <= 1:
             return self.slot_value(batch)
-        c = self.cost.predict(batch, 1.0, tree=False)
-        last = self.cost.predict(max(batch - samples + 1, 1), 1.0, tree=False)
+        c, last = self._drain_costs(batch, samples)
         if c <= 0:
             return 1.0
         return min(max(batch * (c - last) / ((samples - 1) * c), 0.0), 1.0)
@@ -415,11 +413,16 @@ class Planner:
         the step's other requests, ``c(batch - samples + 1)`` seconds, at the
         plain step's tokens per second ``batch / c(batch)``; between
         :meth:`slot_value` and ``samples``."""
-        c = self.cost.predict(batch, 1.0, tree=False)
+        c, last = self._drain_costs(batch, samples)
         if c <= 0 or batch <= 1:
             return 1.0
-        last = self.cost.predict(max(batch - samples + 1, 1), 1.0, tree=False)
         return min(max(batch * last / c, self.slot_value(batch)), float(samples))
+
+    def _drain_costs(self, batch: int, samples: int) -> tuple[float, float]:
+        """Plain step seconds with the ``batch`` requests, and with one of
+        a parent's ``samples`` left among the others (its last step)."""
+        return (self.cost.predict(batch, 1.0, tree=False),
+                self.cost.predict(max(batch - samples + 1, 1), 1.0, tree=False))
 
     # -- the batch ---------------------------------------------------------------
     def any_pays(self, batch: int, best: BestCase, weight: float = 1.0) -> bool:

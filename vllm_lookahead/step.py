@@ -89,8 +89,6 @@ class StepDrafter:
         #: cannot serve the lookahead branch: prompt-lookup drafts only).
         self.trees = True
         self.quiet = QuietBatches(stats, prior)
-        #: batch rows planned for their parent this step (:meth:`_weights`)
-        self._planned_rows: set[int] = set()
         #: The engine's shared memory (:class:`~vllm_lookahead.memory.
         #: SharedMemory`; None: ``shared_memory`` off).
         self.memory = None
@@ -123,7 +121,7 @@ class StepDrafter:
                 r.state.draft_sources, r.state.lookup = [], []
             live = []
         everyone = live
-        by_row = self._weights(everyone, num_decoding)
+        by_row, planned_rows = self._weights(everyone, num_decoding)
         live = self.quiet.keep(live, spec_k, joined, self.planner, self.trees,
                                weight=max(by_row.values()) if by_row else 1.0)
         if self.cfg.prompt_pool:
@@ -132,7 +130,7 @@ class StepDrafter:
         weights = None
         if by_row is not None and live:
             weights = [by_row[r.i] for r in live]
-            self.stats.sibling_steps += sum(r.i in self._planned_rows for r in live)
+            self.stats.sibling_steps += sum(r.i in planned_rows for r in live)
             self.stats.sibling_ahead_steps += sum(x < 1.0 for x in weights)
         trees, planned = self._plan(live, drafts, token_ids, others=len(everyone) - len(live),
                                     weights=weights)
@@ -159,15 +157,15 @@ class StepDrafter:
         return drafts, planned
 
     # -- planning ------------------------------------------------------------
-    def _weights(self, everyone: list[Live], batch: int) -> dict[int, float] | None:
+    def _weights(self, everyone: list[Live],
+                 batch: int) -> tuple[dict[int, float] | None, set[int]]:
         """Per request of ``everyone`` (by batch row), what a token it gains
         is worth (:func:`~vllm_lookahead.planner.sibling_weights` over the
-        samples of one parent decoding this step); None: all 1. Sets
-        :attr:`_planned_rows`, the rows planned for their parent."""
-        self._planned_rows = set()
+        samples of one parent decoding this step; None: all 1), and the
+        rows planned for their parent."""
         if (self.planner is None or not self.cfg.parent_latency or not everyone
                 or not any(r.state.group for r in everyone)):
-            return None
+            return None, set()
         groups, remaining, draws = [], [], []
         for r in everyone:
             st = r.state
@@ -179,9 +177,8 @@ class StepDrafter:
                           max(1, min(st.settings.ngram_size - 1, r.room))))
         w = sibling_weights(groups, remaining, lambda k: self.planner.drain_value(batch, k),
                             lambda k: self.planner.end_value(batch, k), draws)
-        self._planned_rows = {everyone[j].i for rows in sibling_rows(groups, remaining)
-                              for j in rows}
-        return {r.i: x for r, x in zip(everyone, w)}
+        planned = {everyone[j].i for rows in sibling_rows(groups, remaining) for j in rows}
+        return {r.i: x for r, x in zip(everyone, w)}, planned
 
     def _plan(self, live: list[Live], drafts, token_ids,
               others: int = 0, weights: list[float] | None = None) -> tuple[list, tuple | None]:
