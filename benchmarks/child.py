@@ -296,6 +296,11 @@ def child_main(config_path: str, result_path: str) -> int:
     cfg = json.loads(Path(config_path).read_text(encoding="utf-8"))
     out = Path(result_path)
     result: dict[str, Any] = {"sections": [], "error": None}
+    if cfg.get("checkout"):
+        import vllm_lookahead
+
+        # the plugin this engine imported (a ``...@PATH`` method: PATH's)
+        result["plugin_path"] = str(Path(vllm_lookahead.__file__).resolve().parent)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         from tqdm import tqdm

@@ -66,6 +66,10 @@ def _start_child(cfg: dict[str, Any], verbose: bool) -> _Child:
     # Only our vLLM plugin: no other installed general plugin (e.g. a full
     # arctic-inference's, which patches vLLM) may load in an engine.
     env.setdefault("VLLM_PLUGINS", PLUGIN_NAME)
+    if cfg.get("checkout"):
+        # another version of the plugin, ahead of the installed one
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (cfg["checkout"], env.get("PYTHONPATH")) if p)
     if not verbose:
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env.setdefault("PYTHONWARNINGS", "ignore")
@@ -247,7 +251,7 @@ def child_config(args: argparse.Namespace, path: Path | None, dtype: str,
     """What one engine's child process runs (written to its config JSON)."""
     return {
         "model_path": str(path), "dtype": dtype, "label": method.label,
-        "kind": method.kind, "spec": method.spec,
+        "kind": method.kind, "spec": method.spec, "checkout": method.checkout,
         "datasets": args.datasets, "prompts": args.prompts,
         "batch_sizes": args.batch_sizes, "max_tokens": args.max_tokens,
         "max_model_len": args.max_model_len,

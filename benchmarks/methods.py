@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 DEFAULT_METHODS = ["vanilla", "ngram", "la:4,5,5", "la:4,5,5,nopool", "la:5,7,7"]
@@ -69,6 +70,11 @@ class Method:
     """``vanilla``, ``ngram``, ``suffix`` or ``lookahead``."""
     spec: dict[str, Any] | None
     """The ``speculative_config`` passed to ``vllm.LLM`` (None: vanilla)."""
+    checkout: str | None = None
+    """A folder holding another ``vllm_lookahead`` (e.g. a ``git worktree``
+    of an earlier commit, ``...@PATH``): its engine imports the plugin from
+    there, to compare two versions interleaved in one run (None: the
+    installed one)."""
 
 
 def _parse_value(text: str) -> Any:
@@ -102,6 +108,9 @@ def parse_method(text: str) -> Method:
                                           SpeculativeConfig key; nomem|nocache:
                                           max_cached_requests=0 (no global tree)
         la[:N[,W[,G]]][,flag...][,key=value...]     (also ``lookahead:...``)
+        any of them followed by @PATH: the engine imports vllm_lookahead
+            from the folder PATH (another checkout, e.g. a git worktree
+            of an earlier commit) instead of the installed one
             flags: nopool | pool | separate | fused | fixed (no planner:
                    the full tree every step) | adaptive | mem | nomem
                    (shared_memory true/false)
@@ -115,6 +124,15 @@ def parse_method(text: str) -> Method:
     label = text.strip()
     if not label:
         raise MethodSpecError("empty method")
+    body, at, checkout = label.partition("@")
+    if at:
+        checkout = checkout.strip()
+        if not checkout:
+            raise MethodSpecError(f"{label!r}: '@' without a folder")
+        if not (Path(checkout) / "vllm_lookahead" / "__init__.py").is_file():
+            raise MethodSpecError(f"{label!r}: {checkout!r} holds no vllm_lookahead package")
+        method = parse_method(body)
+        return Method(label, method.kind, method.spec, str(Path(checkout).resolve()))
     name, _, rest = label.partition(":")
     name = name.strip().lower()
     items = [item.strip() for item in rest.split(",")] if rest.strip() else []

@@ -815,3 +815,26 @@ def test_cpu_env_never_ends_a_strict_script(tmp_path) -> None:
               '  [ "${LD_PRELOAD:-none}" = "$first" ] || exit 3; done; echo "ok $first"')
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.startswith("ok "), (out.returncode, out.stderr)
+
+
+def test_method_from_another_checkout(tmp_path) -> None:
+    """``...@PATH``: the engine imports vllm_lookahead from PATH (another
+    checkout), to compare two versions interleaved; the spec is the
+    method's without the suffix."""
+    import engines
+
+    pkg = tmp_path / "old" / "vllm_lookahead"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("", encoding="utf-8")
+    m = methods.parse_method(f"la:4,5,5,nopool@{tmp_path / 'old'}")
+    assert m.kind == "lookahead" and m.checkout == str((tmp_path / "old").resolve())
+    assert m.spec == methods.parse_method("la:4,5,5,nopool").spec
+    assert methods.parse_method("la:4,5,5").checkout is None
+    with pytest.raises(methods.MethodSpecError, match="no vllm_lookahead"):
+        methods.parse_method(f"la@{tmp_path}")
+    with pytest.raises(methods.MethodSpecError, match="without a folder"):
+        methods.parse_method("la@")
+    args = bench.build_parser().parse_args([])
+    assert engines.child_config(args, Path("/m"), "float32", m)["checkout"] == m.checkout
+    # both versions in one run: the labels differ
+    assert len(methods.parse_methods(["la", f"la@{tmp_path / 'old'}"])) == 2
