@@ -459,7 +459,7 @@ def test_quiet_batch_skips_mature_requests_and_keeps_young_ones():
     drafts, planned = step.run(live, 2, 2, 3, False, tokens, no_trees)
     assert stats.steps_quiet == 1
     assert old.lookup == [] and young.lookup  # the young one was looked up
-    assert drafts == [[], []] and planned == (2, 1.0, False, 0, 0.0)
+    assert drafts == [[], []] and planned == (2, 1.0, False, 0, 0.0, None)
     assert stats.shape_steps["off"] == 4
 
 

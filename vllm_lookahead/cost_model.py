@@ -264,6 +264,19 @@ class CostModel:
       queue that keeps a batch full runs steps of 9-15 requests in bucket
       8, drafting less per request the more there are) and from what a
       request's first draft token costs beyond the next ones (``r``).
+      The steps are booked less the verification the planner counted
+      (:meth:`verify`, timed apart at start-up, which can overstate what it
+      adds inside a real step several times: at batch 1 on a Zen 4 in
+      bfloat16, 0.6 ms a sampled next token timed apart, 0.14 ms in the
+      steps, forward included), so ``q`` and ``r`` may come out below 0,
+      down to the negated verification of the cheapest kind of draft in
+      the bucket's steps (a step's least, averaged over the steps the plane
+      remembers; :meth:`verify_seen` keeps every kind's price of a draft
+      token at 0 or more). The slopes are fitted over
+      about ``1 / SLOPE_EMA`` steps (a draft's cost is the machine's, and
+      its estimate from a few steps scatters: at batch 1, ten drafting
+      steps leave ``q`` and ``r`` uncertain by more than they are), the
+      height follows the last ``1 / ema`` or so.
 
     With tensor parallelism every rank must plan alike: :meth:`agreed`
     installs the corrections all ranks use (the proposer broadcasts rank 0's
@@ -284,6 +297,9 @@ class CostModel:
     SLOPE_PRIOR = 1.0
     #: Steps with trees not booked at the start of an engine (one-time costs).
     SKIP_FIRST = 2
+    #: The forgetting of the plain plane's fit (its slopes); its height
+    #: follows faster, at ``ema`` (an offset of the last steps' residuals).
+    SLOPE_EMA = 0.005
 
     def __init__(self, curve: CostCurve, ema: float = 0.05, source: str = "measured") -> None:
         self.curve = curve
@@ -292,6 +308,11 @@ class CostModel:
         self._log: dict[int, float] = {}  # steps with trees: bucket -> log factor
         self._n: dict[int, int] = {}
         self._lines: dict[int, Plane] = {}  # steps without trees: bucket -> fit
+        self._level: dict[int, float] = {}  # bucket -> recent residual of the fit
+        #: bucket -> the least (first, next) verification of a drafting
+        #: request's kind in the steps booked, their running mean over the
+        #: steps the plane remembers (the planes' slope floors)
+        self._least: dict[int, tuple[float, float]] = {}
         #: agreed corrections, used by predict: (bucket, True) -> factor,
         #: (bucket, False) -> (a, p, q, r) of the plain plane.
         self.factors: dict[tuple[int, bool], object] = {}
@@ -312,12 +333,28 @@ class CostModel:
 
     def verify(self, batch: int, sampled: bool) -> tuple[float, float]:
         """What vLLM's verifier adds for one request's draft in a step of
-        ``batch`` requests, ``(first token's seconds, each next one's)``
-        (:meth:`CostCurve.verify_at`). It is not in :meth:`predict`: the
-        planner counts it per request (a sampled request's draft costs far
-        more to verify than a greedy one's), and the steps booked with
-        :meth:`observe` have it taken out."""
+        ``batch`` requests, ``(first token's seconds, each next one's)``, as
+        measured with the curve (:meth:`CostCurve.verify_at`). It is not in
+        :meth:`predict`: the planner counts it per request (a sampled
+        request's draft costs far more to verify than a greedy one's), and
+        the steps booked with :meth:`observe` have it taken out. Nothing
+        timed while the engine runs moves it (a seeded request's draft is
+        priced with it); :meth:`verify_seen` is what the steps taught."""
         return self.curve.verify_at(batch, sampled)
+
+    def verify_seen(self, batch: int, sampled: bool) -> tuple[float, float]:
+        """:meth:`verify`, raised where the plain plane's draft slopes came
+        out below 0 (they may, down to the negated verification of the
+        cheapest kind of draft the steps carried, see the class doc) so far
+        that a draft's next token, or its first, would cost less than
+        nothing: what the planner prices an unseeded request's draft with,
+        ``(first, next)`` seconds."""
+        first, nxt = self.verify(batch, sampled)
+        line = self.factors.get((bucket_of(batch), False))
+        if line is None:
+            return first, nxt
+        _, _, q, r = line
+        return max(first, -(q + r), 0.0), max(nxt, -q, 0.0)
 
     #: Answers :meth:`predict` keeps between two agreements.
     MEMO_SIZE = 4096
@@ -356,10 +393,14 @@ class CostModel:
         return plane_seconds(line, plane_features(batch, b, tokens, drafting))
 
     def observe(self, batch: int, tokens: float, seconds: float, tree: bool = True,
-                drafting: int | None = None) -> None:
+                drafting: int | None = None,
+                verify_least: tuple[float, float] | None = None) -> None:
         """A step of ``batch`` requests, ``tokens`` query tokens each on
         average, ``tree``: with trees, ``drafting``: requests with more than
-        one query token (as :meth:`predict`), took ``seconds``."""
+        one query token (as :meth:`predict`), took ``seconds`` (less the
+        verification counted for its drafts, ``verify_least``: the least
+        ``(first, next)`` of :meth:`verify` among its drafting requests'
+        kinds; None: none counted)."""
         if not seconds > 0 or not math.isfinite(seconds):
             return
         b = bucket_of(batch)
@@ -367,23 +408,39 @@ class CostModel:
             line = self._lines.get(b)
             if line is None:
                 line = self._lines[b] = Plane()
-                for t in (1, 2, 4, 8):  # the prior: the curve's plain line
-                    line.add(plane_features(b, b, t, None), self.plain(b, t),
-                             self.PRIOR_WEIGHT / 4)
-                # what a draft token costs: the curve's; a drafting request
+                # the prior: the curve's plain step (its height; forgotten
+                # as steps are seen) ...
+                line.add(plane_features(b, b, 1, None), self.plain(b, 1), self.PRIOR_WEIGHT)
+                # ... and what a draft token costs: the curve's (held, never
+                # forgotten: pseudo-steps with drafts, forgotten slowly as
+                # the slopes are, would hold the slope against steps that
+                # drafted nothing); a drafting request
                 # (its first draft token's extra): nothing, until seen
                 line.set_slope_prior(
                     (max(self.plain(2 * b, 1) - self.plain(b, 1), 0.0) / b,
                      (self.plain(b, 8) - self.plain(b, 1)) / (7 * b), 0.0),
                     (self.SLOPE_PRIOR * b, self.SLOPE_PRIOR * b * b, self.SLOPE_PRIOR))
+            if verify_least is not None:
+                # the verification taken out of the steps the plane
+                # remembers (forgotten as they are: a greedy warm-up must not
+                # hold a sampled engine's floors up for good)
+                old = self._least.get(b)
+                e = self.SLOPE_EMA
+                first, nxt = self._least[b] = verify_least if old is None else (
+                    (1 - e) * old[0] + e * verify_least[0], (1 - e) * old[1] + e * verify_least[1])
+                # a draft token's slope may undo it, no more (see the class
+                # doc; verify_seen keeps each kind's price at 0 or more)
+                line.set_floors((0.0, -nxt, min(nxt - first, 0.0)))
             # One step moves the fit by at most a factor 2 of evidence over
             # the plane's own prediction: a step that waited (a pause of the
             # process between two steps) must not drag it (least squares
             # follows outliers); a real change gets there in a few steps.
             x = plane_features(batch, b, tokens, drafting)
             pred = plane_seconds(line.fit(), x)
-            seconds = min(max(seconds, pred / 2), 2 * pred)
-            line.add(x, seconds, 1.0, keep=1 - self.ema)
+            level = self._level.get(b, 0.0)
+            seconds = min(max(seconds, (pred + level) / 2), 2 * (pred + level))
+            line.add(x, seconds, 1.0, keep=1 - self.SLOPE_EMA)
+            self._level[b] = (1 - self.ema) * level + self.ema * (seconds - pred)
             return
         n = self._n.get(b, 0)
         self._n[b] = n + 1
@@ -398,7 +455,9 @@ class CostModel:
 
     def local_factors(self) -> dict[tuple[int, bool], object]:
         out: dict[tuple[int, bool], object] = {(b, True): math.exp(v) for b, v in self._log.items()}
-        out.update({(b, False): line.fit() for b, line in self._lines.items()})
+        for b, line in self._lines.items():
+            a, *slopes = line.fit()
+            out[(b, False)] = (a + self._level.get(b, 0.0), *slopes)
         return out
 
     def agreed(self, factors: dict) -> None:

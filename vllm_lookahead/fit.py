@@ -27,7 +27,7 @@ class Plane:
     """
 
     K = 3  # slopes
-    __slots__ = ("w", "mx", "my", "cxx", "cxy", "prior", "strength")
+    __slots__ = ("w", "mx", "my", "cxx", "cxy", "prior", "strength", "floor")
 
     def __init__(self) -> None:
         # weighted sums: w; x (per feature); y; x x^T; x y
@@ -37,9 +37,18 @@ class Plane:
         self.cxy = [0.0] * self.K
         self.prior = [0.0] * self.K
         self.strength = [0.0] * self.K
+        #: the least each slope may be (:meth:`fit`)
+        self.floor = [0.0] * self.K
 
     def set_slope_prior(self, slopes, strengths) -> None:
         self.prior, self.strength = list(slopes), list(strengths)
+
+    def set_floors(self, floors) -> None:
+        """The least each slope may be (0 unless set: more rows never cost
+        less; below 0 where the step times booked have a cost taken out
+        that may be overstated, see
+        :class:`~vllm_lookahead.cost_model.CostModel`)."""
+        self.floor = [min(float(f), 0.0) for f in floors]
 
     def add(self, x, y: float, weight: float = 1.0, keep: float = 1.0) -> None:
         k = self.K
@@ -54,25 +63,31 @@ class Plane:
                 row[j] = row[j] * keep + weight * xi * x[j]
 
     def fit(self) -> tuple[float, ...]:
-        """``(a, p, q, r)``; no slope negative (more rows never cost less):
-        a slope that comes out negative is held at 0 and the rest refitted."""
+        """``(a, p, q, r)``; no slope below its floor (0 unless
+        :meth:`set_floors`: more rows never cost less): a slope that comes
+        out below is held at its floor and the rest refitted."""
         k, w = self.K, self.w
         mx = [v / w for v in self.mx]
         my = self.my / w
-        free = list(range(k))
+        cov = [[self.cxx[i][j] - w * mx[i] * mx[j] for j in range(k)] for i in range(k)]
+        cy = [self.cxy[i] - w * mx[i] * my for i in range(k)]
+        held: dict[int, float] = {}
         while True:
-            n = len(free)
-            a = [[self.cxx[i][j] - w * mx[i] * mx[j] + (self.strength[i] if i == j else 0.0)
-                  for j in free] for i in free]
-            b = [self.cxy[i] - w * mx[i] * my + self.strength[i] * self.prior[i] for i in free]
-            sol = _solve(a, b) if n else []
+            free = [i for i in range(k) if i not in held]
+            a = [[cov[i][j] + (self.strength[i] if i == j else 0.0) for j in free] for i in free]
+            b = [cy[i] - sum(cov[i][j] * f for j, f in held.items())
+                 + self.strength[i] * self.prior[i] for i in free]
+            sol = _solve(a, b) if free else []
             slopes = [0.0] * k
+            for i, f in held.items():
+                slopes[i] = f
             for i, v in zip(free, sol):
                 slopes[i] = v
-            neg = [i for i in free if slopes[i] < 0]
-            if not neg:
+            low = [i for i in free if slopes[i] < self.floor[i]]
+            if not low:
                 break
-            free.remove(min(neg, key=lambda i: slopes[i]))
+            i = min(low, key=lambda i: slopes[i] - self.floor[i])
+            held[i] = self.floor[i]
         return (my - sum(s * m for s, m in zip(slopes, mx)), *slopes)
 
 

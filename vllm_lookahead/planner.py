@@ -372,10 +372,17 @@ class Planner:
 
     def verify(self, batch: int, sampled: bool) -> tuple[float, float]:
         """What vLLM's verifier adds for a draft of a request of a
-        ``batch``-request step (:meth:`CostModel.verify`); ``(0, 0)`` for a
-        cost without it (a bare curve in tests)."""
+        ``batch``-request step, as measured with the curve
+        (:meth:`CostModel.verify`: a seeded request's draft is priced with
+        it); ``(0, 0)`` for a cost without it (a bare curve in tests)."""
         measured = getattr(self.cost, "verify", None)
         return measured(batch, sampled) if callable(measured) else (0.0, 0.0)
+
+    def verify_seen(self, batch: int, sampled: bool) -> tuple[float, float]:
+        """:meth:`verify` as the steps seen corrected it
+        (:meth:`CostModel.verify_seen`): an unseeded request's draft."""
+        seen = getattr(self.cost, "verify_seen", None)
+        return seen(batch, sampled) if callable(seen) else self.verify(batch, sampled)
 
     def slot_value(self, batch: int) -> float:
         """What a request's token is worth, in tokens of a ``batch``-request
@@ -442,9 +449,9 @@ class Planner:
         c0 = self.cost.predict(batch, 1.0, tree=False)
         lam = batch / c0  # the all-off plan's tokens per second
         # vLLM's verification of a draft, at least (none under a tree)
-        first, nxt = self.verify(batch, True)
+        first, nxt = self.verify_seen(batch, True)
         if not best.sampled:
-            g_first, g_next = self.verify(batch, False)
+            g_first, g_next = self.verify_seen(batch, False)
             first, nxt = min(first, g_first), min(nxt, g_next)
 
         def pays(gain: float, query: int, tree: bool, extra: float = 0.0) -> bool:

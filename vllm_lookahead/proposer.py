@@ -345,8 +345,9 @@ class StepTimer:
         #: The last planned step: (decoding requests, query tokens per
         #: request, whether it had trees, requests with more than one query
         #: token, seconds counted for vLLM's verification of its drafts,
-        #: end of its proposer call), to time it.
-        self.last: tuple[int, float, bool, int, float, float] | None = None
+        #: the least (first, next) verification of a drafting request's kind
+        #: (None: no draft), end of its proposer call), to time it.
+        self.last: tuple | None = None
         self.calls = 0
 
     def book(self, planner: Planner | None, now: float, clean: bool, num_live: int) -> None:
@@ -362,15 +363,15 @@ class StepTimer:
             # The cost model's planes price the forward; the verification
             # the planner counted per request is taken out (never below
             # half the step: the planes' clip bounds a wrong estimate).
-            took = now - last[5]
+            took = now - last[6]
             cost.observe(last[0], last[1], max(took - last[4], took / 2), tree=last[2],
-                         drafting=last[3])
+                         drafting=last[3], verify_least=last[5])
         self.calls += 1
         if self.calls % self.AGREE_EVERY == 0:
             local = cost.local_factors()
             cost.agreed(self.agree(local) if self.agree is not None else local)
 
-    def planned(self, planned: tuple[int, float, bool, int, float] | None,
+    def planned(self, planned: tuple | None,
                 end: float) -> None:
         """The step just planned (:meth:`StepDrafter.run`'s ``planned``;
         None: not planned, not timed) and the end of its proposer call."""

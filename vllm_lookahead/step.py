@@ -111,8 +111,9 @@ class StepDrafter:
             ``(drafts, planned)``: per row its draft (token ids); the step as
             planned, ``(requests, query tokens per request, any tree,
             requests with more than one query token, seconds the plan counts
-            for vLLM's verification of its drafts)``, to time it (None: not
-            planned).
+            for vLLM's verification of its drafts, the least ``(first,
+            next)`` verification of a drafting request's kind or None)``, to
+            time it (None: not planned).
         """
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         if self.disable_batch_size and num_decoding >= self.disable_batch_size:
@@ -152,8 +153,9 @@ class StepDrafter:
                 self.stats.drafts += 1
                 self.stats.draft_tokens += len(drafts[r.i])
         if len(live) < len(everyone):  # a quiet step: time it as planned
-            n, q, tree, m, ver = planned if planned is not None else (0, 1.0, False, 0, 0.0)
-            planned = (len(everyone), 1 + (n * (q - 1)) / len(everyone), tree, m, ver)
+            n, q, tree, m, ver, least = (planned if planned is not None
+                                         else (0, 1.0, False, 0, 0.0, None))
+            planned = (len(everyone), 1 + (n * (q - 1)) / len(everyone), tree, m, ver, least)
         return drafts, planned
 
     # -- planning ------------------------------------------------------------
@@ -194,7 +196,7 @@ class StepDrafter:
         verify = {}
         if not fixed:
             batch = len(live) + max(others, 0)
-            verify = {k: self.planner.verify(batch, k) for k in (True, False)}
+            verify = {k: self.planner.verify_seen(batch, k) for k in (True, False)}
         for j, r in enumerate(live):
             r.state.lookup = lookup(r.state, token_ids[r.i], r.n_tok, r.room,
                                     self.cfg.prompt_pool, self.memory)
@@ -218,9 +220,12 @@ class StepDrafter:
                 self.planner.horizon = max(runs / st.catch_up_requests, 1.0)
             shapes = self.planner.plan(views, self.cfg.max_tree_tokens, others, explore=True)
             q = sum(sh.query for sh in shapes) / len(shapes)
+            counted = [v.verify for v, sh in zip(views, shapes) if sh.draft > 0]
             planned = (len(live), q, any(sh.kind == "tree" for sh in shapes),
                        sum(sh.query > 1 for sh in shapes),
-                       sum(v.verify_s(sh.draft) for v, sh in zip(views, shapes)))
+                       sum(v.verify_s(sh.draft) for v, sh in zip(views, shapes)),
+                       (min(f for f, _ in counted), min(n for _, n in counted))
+                       if counted else None)
         trees = []
         for r, shape in zip(live, shapes):
             arm = {"tree": "tree", "draft": "pool", "off": "off"}[shape.kind]
