@@ -944,7 +944,7 @@ def test_the_cost_model_learns_what_a_draft_costs_inside_the_steps():
         timer.book(planner, now, True, 1)
     for i in range(600):
         k = rng.choice([0, 0, 1, 2, 3, 4])
-        v_first, v_next = planner.verify_seen(1, True)
+        v_first, v_next = planner.verify(1, True)  # booked less the measured one
         counted = v_first + v_next * (k - 1) if k else 0.0
         timer.planned((1, 1.0 + k, False, int(k > 0), counted,
                        (v_first, v_next) if k else None), now)
@@ -959,7 +959,42 @@ def test_the_cost_model_learns_what_a_draft_costs_inside_the_steps():
     assert one - base == pytest.approx(0.00344 + 0.00014, abs=6e-4)
     assert (four - one) / 3 == pytest.approx(0.00014, abs=1.5e-4)
     assert cm.verify(1, True) == (first, nxt)  # what a seeded request is priced with
-    # no kind's draft token is priced below nothing
-    g_first, g_next = cm.verify_seen(1, False)
+    # no kind's draft token is priced below nothing, and the forward alone
+    # never gets cheaper for more query tokens (a tree without a draft has
+    # no verification to undo)
     q, r = cm.factors[(1, False)][2:]
-    assert q + g_next >= 0 and q + r + g_first >= 0
+    assert q < 0  # the steps undid part of the measured verification
+    g_first, g_next = cm.verify_seen(1, False)
+    assert g_first >= 0 and g_next >= 0
+    assert cm.predict(1, 4.0, tree=False, drafting=1) >= base
+    assert cm.predict(1, 4.0, tree=True, drafting=1) >= base
+
+
+def test_a_tree_that_gains_nothing_is_not_planned_where_drafts_look_cheap():
+    """Slopes below 0 (the steps undid part of the verification) must not
+    make a step with more query tokens look cheaper than a plain one: a
+    tree predicted to confirm nothing is never planned over no draft."""
+    from vllm_lookahead.proposer import StepTimer
+
+    pts = {1: [(1, 0.0329), (4, 0.0329), (8, 0.0461), (16, 0.0571)]}
+    cm = CostModel(CostCurve(pts, {"sampled": {1: (0.00134, 0.00059)},
+                                   "greedy": {1: (0.0003, 0.00002)}}))
+    planner = Planner(cm)
+    timer = StepTimer(None)
+    now = 0.0
+    for i in range(300):  # drafting steps no dearer than plain ones
+        k = i % 4
+        timer.planned((1, 1.0 + k, False, int(k > 0), 0.0003 + 0.00002 * (k - 1) if k else 0.0,
+                       (0.0003, 0.00002) if k else None), now)
+        now += 0.023
+        timer.book(planner, now, True, 1)
+        if i % 10 == 0:  # and a few tree steps, which took a plain step's time
+            timer.planned((1, 4.0, True, 1, 0.0, None), now)
+            now += 0.0225
+            timer.book(planner, now, True, 1)
+    cm.agreed(cm.local_factors())
+    assert cm.factors[(1, False)][3] < 0  # r below 0
+    acc = acceptance(p_unchecked=0.5, tree_by_g=[0.0] * 8, window_extra=0.0)
+    v = RequestView(acc=acc, ngram_size=4, window_size=1, guess_set_size=0, room=4,
+                    trees=True, verify=planner.verify_seen(1, False))
+    assert planner.plan([v])[0].kind == "off"

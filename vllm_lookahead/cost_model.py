@@ -343,18 +343,23 @@ class CostModel:
         return self.curve.verify_at(batch, sampled)
 
     def verify_seen(self, batch: int, sampled: bool) -> tuple[float, float]:
-        """:meth:`verify`, raised where the plain plane's draft slopes came
-        out below 0 (they may, down to the negated verification of the
-        cheapest kind of draft the steps carried, see the class doc) so far
-        that a draft's next token, or its first, would cost less than
-        nothing: what the planner prices an unseeded request's draft with,
-        ``(first, next)`` seconds."""
+        """:meth:`verify` as the steps corrected it, ``(first, next)``
+        seconds: what the planner prices an unseeded request's draft with.
+        Where the plain plane's draft slopes came out below 0 (they may,
+        down to the negated verification of the cheapest kind of draft in
+        the steps, see the class doc), that part is taken off the
+        verification here, never below nothing, and :meth:`predict` reads
+        the slopes as 0: a forward never gets cheaper for more query tokens
+        (a step with a tree and no draft, which has no verification to
+        undo, must not look cheaper than a plain one), while a draft's
+        price, forward plus verification, is the plane's."""
         first, nxt = self.verify(batch, sampled)
         line = self.factors.get((bucket_of(batch), False))
         if line is None:
             return first, nxt
         _, _, q, r = line
-        return max(first, -(q + r), 0.0), max(nxt, -q, 0.0)
+        q, r = min(q, 0.0), min(r, 0.0)  # the part of the slopes below 0
+        return max(first + q + r, 0.0), max(nxt + q, 0.0)
 
     #: Answers :meth:`predict` keeps between two agreements.
     MEMO_SIZE = 4096
@@ -390,7 +395,9 @@ class CostModel:
         line = self.factors.get((b, False))
         if line is None:
             return self.plain(batch, tokens)
-        return plane_seconds(line, plane_features(batch, b, tokens, drafting))
+        a, p, q, r = line  # slopes below 0 are verify_seen's
+        return plane_seconds((a, p, max(q, 0.0), max(r, 0.0)),
+                             plane_features(batch, b, tokens, drafting))
 
     def observe(self, batch: int, tokens: float, seconds: float, tree: bool = True,
                 drafting: int | None = None,

@@ -110,10 +110,10 @@ class StepDrafter:
         Returns:
             ``(drafts, planned)``: per row its draft (token ids); the step as
             planned, ``(requests, query tokens per request, any tree,
-            requests with more than one query token, seconds the plan counts
-            for vLLM's verification of its drafts, the least ``(first,
-            next)`` verification of a drafting request's kind or None)``, to
-            time it (None: not planned).
+            requests with more than one query token, seconds of vLLM's
+            verification of its drafts as measured (``Planner.verify``), the
+            least ``(first, next)`` of it of a drafting request's kind or
+            None)``, to time it (None: not planned).
         """
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         if self.disable_batch_size and num_decoding >= self.disable_batch_size:
@@ -193,10 +193,13 @@ class StepDrafter:
             return [], None
         fixed = self.planner is None  # adaptive off: the full tree every step
         views = []
-        verify = {}
+        verify = measured = {}
         if not fixed:
             batch = len(live) + max(others, 0)
             verify = {k: self.planner.verify_seen(batch, k) for k in (True, False)}
+            # the steps are booked less the verification as measured (the
+            # plane learns what the steps undo of it: verify_seen)
+            measured = {k: self.planner.verify(batch, k) for k in (True, False)}
         for j, r in enumerate(live):
             r.state.lookup = lookup(r.state, token_ids[r.i], r.n_tok, r.room,
                                     self.cfg.prompt_pool, self.memory)
@@ -220,10 +223,11 @@ class StepDrafter:
                 self.planner.horizon = max(runs / st.catch_up_requests, 1.0)
             shapes = self.planner.plan(views, self.cfg.max_tree_tokens, others, explore=True)
             q = sum(sh.query for sh in shapes) / len(shapes)
-            counted = [v.verify for v, sh in zip(views, shapes) if sh.draft > 0]
+            counted = [measured[r.state.sampled] for r, sh in zip(live, shapes) if sh.draft > 0]
             planned = (len(live), q, any(sh.kind == "tree" for sh in shapes),
                        sum(sh.query > 1 for sh in shapes),
-                       sum(v.verify_s(sh.draft) for v, sh in zip(views, shapes)),
+                       sum(f + n * (sh.draft - 1) for (f, n), sh in
+                           zip(counted, [sh for sh in shapes if sh.draft > 0])),
                        (min(f for f, _ in counted), min(n for _, n in counted))
                        if counted else None)
         trees = []
