@@ -264,15 +264,16 @@ class CostModel:
       queue that keeps a batch full runs steps of 9-15 requests in bucket
       8, drafting less per request the more there are) and from what a
       request's first draft token costs beyond the next ones (``r``).
-      The steps are booked less the verification the planner counted
+      The steps are booked less the verification as measured
       (:meth:`verify`, timed apart at start-up, which can overstate what it
       adds inside a real step several times: at batch 1 on a Zen 4 in
       bfloat16, 0.6 ms a sampled next token timed apart, 0.14 ms in the
       steps, forward included), so ``q`` and ``r`` may come out below 0,
       down to the negated verification of the cheapest kind of draft in
       the bucket's steps (a step's least, averaged over the steps the plane
-      remembers; :meth:`verify_seen` keeps every kind's price of a draft
-      token at 0 or more). The slopes are fitted over
+      remembers). That part comes off the verification
+      (:meth:`verify_seen`, each kind's never below nothing), not off the
+      forward: :meth:`predict` reads such slopes as 0. The slopes are fitted over
       about ``1 / SLOPE_EMA`` steps (a draft's cost is the machine's, and
       its estimate from a few steps scatters: at batch 1, ten drafting
       steps leave ``q`` and ``r`` uncertain by more than they are), the
