@@ -344,7 +344,7 @@ class StepTimer:
         self.agree = agree
         #: The last planned step: (decoding requests, query tokens per
         #: request, whether it had trees, requests with more than one query
-        #: token, seconds counted for vLLM's verification of its drafts,
+        #: token, seconds of vLLM's verification of its drafts as measured,
         #: the least (first, next) verification of a drafting request's kind
         #: (None: no draft), end of its proposer call), to time it.
         self.last: tuple | None = None
@@ -360,9 +360,10 @@ class StepTimer:
         cost = planner.cost
         last = self.last
         if last is not None and clean and last[0] == num_live:
-            # The cost model's planes price the forward; the verification
-            # the planner counted per request is taken out (never below
-            # half the step: the planes' clip bounds a wrong estimate).
+            # The cost model's planes price the forward; vLLM's verification
+            # of the step's drafts, as measured at start-up, is taken out
+            # (never below half the step: the planes' clip bounds a wrong
+            # estimate; what the steps undo of it, the planes learn).
             took = now - last[6]
             cost.observe(last[0], last[1], max(took - last[4], took / 2), tree=last[2],
                          drafting=last[3], verify_least=last[5])

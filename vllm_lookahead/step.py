@@ -223,12 +223,13 @@ class StepDrafter:
                 self.planner.horizon = max(runs / st.catch_up_requests, 1.0)
             shapes = self.planner.plan(views, self.cfg.max_tree_tokens, others, explore=True)
             q = sum(sh.query for sh in shapes) / len(shapes)
-            counted = [measured[r.state.sampled] for r, sh in zip(live, shapes) if sh.draft > 0]
+            # (measured (first, next), draft length) of each drafting request
+            counted = [(measured[r.state.sampled], sh.draft)
+                       for r, sh in zip(live, shapes) if sh.draft > 0]
             planned = (len(live), q, any(sh.kind == "tree" for sh in shapes),
                        sum(sh.query > 1 for sh in shapes),
-                       sum(f + n * (sh.draft - 1) for (f, n), sh in
-                           zip(counted, [sh for sh in shapes if sh.draft > 0])),
-                       (min(f for f, _ in counted), min(n for _, n in counted))
+                       sum(f + n * (d - 1) for (f, n), d in counted),
+                       (min(f for (f, _), _ in counted), min(n for (_, n), _ in counted))
                        if counted else None)
         trees = []
         for r, shape in zip(live, shapes):
