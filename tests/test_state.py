@@ -400,27 +400,34 @@ def test_choose_candidate_random_against_reference():
         assert choose_candidate(m, c) == best
 
 
-def _suffix_lookup_reference(toks, n, k, min_len=2, max_len=4):
-    """Brute force: longest suffix first, most recent earlier start."""
+def _suffix_match_reference(toks, n, k, min_len=2, max_len=4):
+    """Brute force: longest suffix first, most recent earlier start;
+    (continuation, matched length)."""
     t = list(toks[:n])
     for m in range(min(max_len, n - 1), min_len - 1, -1):
         for s in range(n - m - 1, -1, -1):
             if t[s : s + m] == t[n - m :]:
-                return t[s + m : s + m + k]
-    return []
+                return t[s + m : s + m + k], m
+    return [], 0
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_suffix_lookup_matches_brute_force(seed):
-    from vllm_lookahead.state import suffix_lookup
+    from vllm_lookahead.state import suffix_lookup, suffix_match
 
     rng = np.random.default_rng(seed)
     vocab = int(rng.integers(2, 6))
     toks = rng.integers(0, vocab, size=int(rng.integers(1, 60))).astype(np.int32)
     padded = np.concatenate([toks, np.full(7, 99, np.int32)])  # junk past n
+    lo = 1 + seed % 3
+    hi = lo + seed % 4  # key lengths 1-3 up to 1-6
     for n in range(1, len(toks) + 1):
         for k in (1, 3, 4):
-            assert suffix_lookup(padded, n, k) == _suffix_lookup_reference(toks, n, k), (n, k)
+            want = _suffix_match_reference(toks, n, k)
+            assert suffix_lookup(padded, n, k) == want[0], (n, k)
+            assert suffix_match(padded, n, k) == want, (n, k)
+            assert suffix_match(padded, n, k, lo, hi) == \
+                _suffix_match_reference(toks, n, k, lo, hi), (n, k, lo, hi)
 
 
 def test_suffix_lookup_prefers_the_longest_suffix():

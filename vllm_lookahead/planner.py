@@ -210,8 +210,8 @@ class BestCase:
         for v in views:
             if not v.trees:
                 continue
-            for cols, g, nodes in _tree_options(v.ngram_size, v.window_size, v.guess_set_size):
-                w = cols > 0
+            for (w, g), nodes in _bound_options(v.ngram_size, v.window_size,
+                                                v.guess_set_size).items():
                 m = min(max(v.acc.tree_gain(g, w), prior.tree_gain(g, w)), v.ngram_size - 1)
                 old = trees.get((w, g), (0.0, nodes))
                 trees[(w, g)] = (max(old[0], m * p_c), min(old[1], nodes))
@@ -242,6 +242,17 @@ def _tree_options(ngram_size: int, window_size: int, g_max: int) -> tuple:
             if g or w:
                 out.append((w, g, tree_size(ngram_size, w, g)))
     return tuple(out)
+
+
+@lru_cache(maxsize=256)
+def _bound_options(ngram_size: int, window_size: int, g_max: int) -> dict:
+    """:func:`_tree_options` as :class:`BestCase` sees them: ``(window on,
+    candidates)`` -> the fewest nodes of such a shape."""
+    out: dict = {}
+    for cols, g, nodes in _tree_options(ngram_size, window_size, g_max):
+        key = (cols > 0, g)
+        out[key] = min(out.get(key, nodes), nodes)
+    return out
 
 
 def _cand_steps(g_max: int) -> list[int]:
@@ -320,17 +331,22 @@ class Planner:
             # Separate mode: a second forward every step (its tokens are
             # counted in the batch's tokens).
             extra_1 = self.cost.predict(1, 1) / max(batch, 1)
+        # A catch-up tree rides in this step but confirms no draft until
+        # the next: one step of the run without its gain.
+        catch_up = (1.0 - 1.0 / max(self.horizon, 1.0)) if self.fused and v.chain <= 0 else None
+        room, (first, nxt) = v.room, v.verify
+        window_cols = max(v.window_size, 1)
+        tree_gain = acc.tree_gain
         for w, g, nodes in _tree_options(n, v.window_size, v.guess_set_size):
-            m = min(acc.tree_gain(g, w / max(v.window_size, 1)), n - 1)
+            m = min(tree_gain(g, w / window_cols), n - 1)
             # Steady state: each step drafts the chain the last tree
             # confirmed (about m tokens) and checks the next tree.
-            d = min(int(round(m)), v.room)
+            d = min(int(round(m)), room)
             gain = m * checked
-            if self.fused and v.chain <= 0:
-                # A catch-up tree rides in this step but confirms no draft
-                # until the next: one step of the run without its gain.
-                gain *= 1.0 - 1.0 / max(self.horizon, 1.0)
-            out.append(Shape("tree", d, w, g, nodes, 1 + gain, extra_1 + v.verify_s(d)))
+            if catch_up is not None:
+                gain *= catch_up
+            out.append(Shape("tree", d, w, g, nodes, 1 + gain,
+                             extra_1 + (first + nxt * (d - 1) if d > 0 else 0.0)))
         return out
 
     #: What a seeded request's draft costs beyond the forward's rows, in
@@ -547,12 +563,17 @@ class Planner:
         if credit <= 0 or sec <= 0:
             return
         r_n = len(chosen)
+        plain = seconds(r_n, 0, 0)  # the step with every request off (1 token each)
+        if credit < plain:
+            # A tree step costs at least a plain one (the curve is
+            # monotone, a tree never predicted cheaper): no tree fits the
+            # credit yet, so skip the search (most steps between two).
+            return
         tok = sum(c.tokens for c in chosen)
         rate = tok / sec
         q = sum(c.query for c in chosen)
         n_draft = sum(c.query > 1 for c in chosen)
         extra = sum(c.extra_s for c in chosen)
-        plain = seconds(r_n, 0, 0)  # the step with every request off (1 token each)
         for k in range(r_n):
             r = (self._turn + k) % r_n
             v = views[r]

@@ -244,22 +244,29 @@ def suffix_match(tokens: np.ndarray, n: int, k: int, min_len: int = 2,
     Returns:
         (continuation, length of the matched suffix); ``([], 0)`` for none.
     """
-    if k <= 0:
+    if k <= 0 or n - 1 < min_len:
         return [], 0
     t = np.asarray(tokens[:n])
-    for m in range(min(max_len, n - 1), min_len - 1, -1):
-        suffix = t[n - m:]
-        # Starts s < n - m whose m tokens equal the suffix (the suffix
-        # itself, s = n - m, is excluded; overlaps are fine).
-        idx = np.flatnonzero(t[: n - m] == suffix[0])
-        for j in range(1, m):
-            if not idx.size:
+    # Ends e <= n - 2 of the earlier places where the last min_len tokens
+    # occur (one pass over the text; the suffix itself ends at n - 1),
+    # then, longest first, those where the match runs back m tokens.
+    hit = t[min_len - 1: n - 1] == t[n - 1]
+    for j in range(1, min_len):
+        hit &= t[min_len - 1 - j: n - 1 - j] == t[n - 1 - j]
+    ends = np.flatnonzero(hit) + (min_len - 1)
+    if not ends.size:
+        return [], 0
+    for m in range(min(max_len, n - 1), min_len, -1):
+        longer = ends[ends >= m - 1]
+        for j in range(min_len, m):
+            if not longer.size:
                 break
-            idx = idx[t[idx + j] == suffix[j]]
-        if idx.size:
-            start = int(idx[-1]) + m
-            return t[start : start + k].tolist(), m
-    return [], 0
+            longer = longer[t[longer - j] == t[n - 1 - j]]
+        if longer.size:
+            e = int(longer[-1])
+            return t[e + 1: e + 1 + k].tolist(), m
+    e = int(ends[-1])
+    return t[e + 1: e + 1 + k].tolist(), min_len
 
 
 def choose_candidate(
