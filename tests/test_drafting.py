@@ -567,3 +567,54 @@ def test_samples_of_one_parent_are_planned_by_who_ends_last():
     assert drafts == [[6, 9, 4], [], [6, 9, 4]]
     assert stats.sibling_ahead_steps == 1  # the one ahead, in the step
     assert stats.sibling_steps == 2  # the two samples
+
+
+def test_idle_backoff_leaves_out_a_batch_whose_plans_run_nothing():
+    """Drafts could pay (the engine's prior is high) but the requests' own
+    acceptance is 0, so every plan runs nothing: after k full steps in a
+    row that ran nothing, the next min(2**(k-1), REFRESH) - 1 steps leave
+    the mature requests out (no lookup, no planning); as soon as a full
+    step drafts, every step is full again."""
+    from vllm_lookahead.acceptance import _Rate
+    from vllm_lookahead.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner import Planner
+    from vllm_lookahead.step import QuietBatches
+
+    cfg = LookaheadConfig(ngram_size=3, window_size=2, guess_set_size=2, mode="fused")
+    stats = LookaheadStats()
+    prior = AcceptancePrior(max_cands=2, p_unchecked=0.9)
+    step = StepDrafter(cfg, True, 1000, stats, prior)
+    step.trees = False
+    step.planner = Planner(CostModel(CostCurve.flat(0.05, 0.01)))  # extra tokens cheap
+    text = [4, 5, 6, 9, 4, 5]  # the suffix (4, 5) was seen: a lookup finds [6, 9, 4]
+    tokens = np.zeros((2, 64), dtype=np.int32)
+    tokens[:, : len(text)] = text
+    states = [new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
+                        tokens[i], len(text), len(text), None, False, 0, prior)
+              for i in range(2)]
+    for st in states:
+        st.acc.seen = QuietBatches.MATURE
+        st.acc.unchecked = {k: _Rate(0.0, 100.0) for k in st.acc.unchecked}
+    live = [Live(i, st, len(text), 3, []) for i, st in enumerate(states)]
+
+    def no_trees(rows):  # pragma: no cover - must not run
+        raise AssertionError(rows)
+
+    full = []
+    for t in range(40):
+        drafts, _ = step.run(live, 2, 2, 3, t == 0, tokens, no_trees)
+        assert drafts == [[], []]
+        full.append(bool(states[0].lookup))
+    # 0, 1, 3, 7, 15 idle steps between full ones; step 16 is the quiet
+    # path's own refresh (every REFRESH steps)
+    assert [t for t, f in enumerate(full) if f] == [0, 1, 3, 7, 15, 16, 32]
+    assert stats.steps_idle == 40 - sum(full) and stats.steps_quiet == 0
+    # the text is looked up again and drafts pay: back to full steps
+    for st in states:
+        st.acc.unchecked = {k: _Rate(100.0, 0.0) for k in st.acc.unchecked}
+    after = []
+    for _ in range(17):
+        drafts, _ = step.run(live, 2, 2, 3, False, tokens, no_trees)
+        after.append(bool(drafts[0]))
+    first = after.index(True)
+    assert first <= QuietBatches.REFRESH and all(after[first:])
