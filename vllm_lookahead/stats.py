@@ -55,9 +55,6 @@ class LookaheadStats:
         steps_quiet: steps where no request's draft could pay at that batch
             size (:meth:`~vllm_lookahead.planner.Planner.any_pays`), so the
             per-request work (lookups, pool updates, planning) was skipped.
-        steps_idle: steps where that work was skipped after full steps in a
-            row planned no draft and no tree (the idle backoff of
-            :class:`~vllm_lookahead.step.QuietBatches`).
         planned_gain, planned_gain_seen: over the unchecked drafts the
             planner chose, the draft tokens it expected the verifier to
             accept (from the request's acceptance estimate) and those it
@@ -100,7 +97,6 @@ class LookaheadStats:
     steps_window_off: int = 0
     steps_off: int = 0
     steps_quiet: int = 0
-    steps_idle: int = 0
     sibling_steps: int = 0
     sibling_ahead_steps: int = 0
     planned_gain: float = 0.0

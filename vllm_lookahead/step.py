@@ -146,15 +146,12 @@ class StepDrafter:
         elif trees:
             window_cut = self._separate_pass(trees, drafts, token_ids, run_trees)
         self.stats.steps_window_off += window_cut
-        ran = bool(trees)
         for r in live:
             drafts[r.i] = drafts[r.i][: max(r.room, 0)]
             r.state.draft_sources = r.state.draft_sources[: len(drafts[r.i])]
             if drafts[r.i]:
-                ran = True
                 self.stats.drafts += 1
                 self.stats.draft_tokens += len(drafts[r.i])
-        self.quiet.planned(ran)
         if len(live) < len(everyone):  # a quiet step: time it as planned
             n, q, tree, m, ver, least = (planned if planned is not None
                                          else (0, 1.0, False, 0, 0.0, None))
@@ -374,16 +371,6 @@ class QuietBatches:
     them with the others counted as off. The full path runs every
     :attr:`REFRESH` steps, when a request joins or matures, and after a
     tree, which keeps the estimates and the bound current.
-
-    A batch where drafts could pay but the planner keeps running none is
-    left out so too, on a backoff (:meth:`planned`): after the k-th full
-    step in a row whose plan was every request off, the next
-    ``min(2**(k-1), REFRESH) - 1`` steps are *idle* ones (``steps_idle``):
-    0, 1, 3, 7, then 15 steps between two full ones, back to every step as
-    soon as one full step drafts or runs a tree. The per-request work costs
-    the proposer about 0.1 ms a request a step (2-core Zen 4), 2-3% of a
-    16-request step that drafts nothing; a burst of repeated text is taken
-    up to 15 steps late.
     """
 
     #: Steps between two full planning steps of a quiet batch (one whose
@@ -403,18 +390,12 @@ class QuietBatches:
         self._best: BestCase | None = None
         self._since_full = 0
         self._pays: tuple[int, float, bool] | None = None
-        #: Whether this step planned every request (a full step), full
-        #: steps in a row that ran nothing, and idle steps left.
-        self._full = False
-        self._idle = 0
-        self._rest = 0
 
     def keep(self, live: list[Live], spec_k: int, joined: bool, planner,
              trees: bool = True, weight: float = 1.0) -> list[Live]:
         """The requests of ``live`` that need this step's work (all of them
         without a ``planner``); ``weight``: the most a token any of them
         gains is worth (``RequestView.weight``)."""
-        self._full = False
         if planner is None or not live:
             return live
         self._since_full += 1
@@ -423,7 +404,6 @@ class QuietBatches:
                 or any(r.chain or (r.state.acc.seen >= mature and not r.state.acc.bounded)
                        for r in live)):
             self._since_full = 0
-            self._full = True
             free = [r for r in live if not r.state.seeded]
             self._best = BestCase.of([_bound_view(r, spec_k, trees) for r in free], self.prior,
                                      sampled=all(r.state.sampled for r in free)) \
@@ -436,14 +416,9 @@ class QuietBatches:
         w = round(weight, 1)
         if self._pays is None or self._pays[:2] != (b, w):
             self._pays = (b, w, planner.any_pays(b, self._best, w))
-        if not self._pays[2]:
-            self.stats.steps_quiet += 1
-        elif self._rest > 0:
-            self._rest -= 1
-            self.stats.steps_idle += 1
-        else:
-            self._full = True
+        if self._pays[2]:
             return live
+        self.stats.steps_quiet += 1
         keep = []
         for r in live:
             if r.state.seeded or r.state.acc.seen < mature:
@@ -454,17 +429,6 @@ class QuietBatches:
         self.stats.arm_steps["off"] += n_off
         self.stats.shape_steps["off"] = self.stats.shape_steps.get("off", 0) + n_off
         return keep
-
-    def planned(self, ran: bool) -> None:
-        """What this step's plan ran (``ran``: a draft or a tree for some
-        request): after a full step, the idle backoff (class doc)."""
-        if not self._full:
-            return
-        if ran:
-            self._idle = self._rest = 0
-        else:
-            self._idle += 1
-            self._rest = min(2 ** min(self._idle - 1, 8), self.REFRESH) - 1
 
 
 def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
