@@ -838,3 +838,45 @@ def test_method_from_another_checkout(tmp_path) -> None:
     assert engines.child_config(args, Path("/m"), "float32", m)["checkout"] == m.checkout
     # both versions in one run: the labels differ
     assert len(methods.parse_methods(["la", f"la@{tmp_path / 'old'}"])) == 2
+
+
+# --------------------------------------------------------------------------
+# step_breakdown.py (pure parts)
+# --------------------------------------------------------------------------
+
+def _steps(batch, drafting, draft_tokens, ms, n):
+    return [dict(batch=batch, drafting=drafting, draft_tokens=draft_tokens, prepare=0.0005,
+                 forward=ms * 0.6e-3, sampler=ms * 0.3e-3, **{"proposer+": ms * 0.1e-3},
+                 step=ms * 1e-3) for _ in range(n)]
+
+
+def test_step_breakdown_groups_and_fits_what_a_draft_adds():
+    import step_breakdown as sb
+
+    # 30 ms plain; each drafting request adds 5 ms and each draft token 1 ms
+    steps = (_steps(4, 0, 0, 30.0, 20) + _steps(4, 1, 2, 37.0, 6) + _steps(4, 1, 4, 39.0, 6)
+             + _steps(4, 2, 4, 44.0, 4) + _steps(4, 4, 8, 58.0, 2) + _steps(2, 0, 0, 25.0, 3))
+    got = sb.summarize(steps)
+    assert list(got["groups"]) == ["2/0", "4/0", "4/1", "4/2", "4/3+"]
+    g = got["groups"]["4/1"]
+    assert g["steps"] == 12 and g["draft_tokens"] == 3.0
+    assert g["ms"]["step"] == pytest.approx(38.0) and g["ms"]["forward"] == pytest.approx(22.8)
+    fit = got["fit"]
+    assert fit["batch"] == 4 and fit["steps"] == 38
+    assert fit["ms"] == pytest.approx([30.0, 5.0, 1.0], abs=1e-6)
+    # no draft at all: nothing to fit
+    assert sb.summarize(_steps(4, 0, 0, 30.0, 20))["fit"] is None
+    assert sb.summarize([]) == {"groups": {}, "fit": None}
+
+
+def test_step_breakdown_methods():
+    import step_breakdown as sb
+
+    assert sb.spec_of("vanilla") is None
+    assert sb.spec_of("ngram")["method"] == "ngram"
+    assert sb.spec_of("la") == {"method": "lookahead"}
+    assert sb.spec_of('{"method": "lookahead", "parent_latency": true}')["parent_latency"] is True
+    with pytest.raises(SystemExit, match="not vanilla"):
+        sb.spec_of('{"ngram_size": 4}')
+    with pytest.raises(SystemExit, match="lookahed"):
+        sb.spec_of("lookahed")
