@@ -93,8 +93,10 @@ def group_of(step: dict) -> tuple[int, str]:
 def summarize(steps: list[dict]) -> dict:
     """Per group (``"batch/drafting"``): steps, mean draft tokens, and the
     median milliseconds of each part; ``fit``: at the most common batch
-    size, the least-squares ``[a, r, t]`` ms of ``step = a + r * drafting
-    requests + t * draft tokens`` (None with under 8 steps or no draft)."""
+    size, ``[a, r, t]`` ms of ``step = a + r * drafting requests + t *
+    draft tokens``, least squares over the median step of each (drafting
+    requests, draft tokens) seen, weighted by its steps (a few stalled
+    steps do not move it; None with under 8 steps or no draft)."""
     import numpy as np
 
     groups: dict[tuple, list[dict]] = {}
@@ -111,9 +113,14 @@ def summarize(steps: list[dict]) -> dict:
         sizes = [s["batch"] for s in steps]
         top = max(set(sizes), key=sizes.count)
         at = [s for s in steps if s["batch"] == top]
-        x = np.array([[1.0, s["drafting"], s["draft_tokens"]] for s in at])
-        if len(at) >= 8 and x[:, 1].any():
-            y = np.array([s["step"] for s in at])
+        cells: dict[tuple, list[float]] = {}
+        for s in at:
+            cells.setdefault((s["drafting"], s["draft_tokens"]), []).append(s["step"])
+        if len(at) >= 8 and any(d for d, _ in cells):
+            keys = sorted(cells)
+            w = np.sqrt([len(cells[k]) for k in keys])
+            x = np.array([[1.0, d, t] for d, t in keys]) * w[:, None]
+            y = np.array([np.median(cells[k]) for k in keys]) * w
             coef = np.linalg.lstsq(x, y, rcond=None)[0]
             fit = dict(batch=top, steps=len(at), ms=[float(1e3 * c) for c in coef])
     return dict(groups=out, fit=fit)

@@ -864,6 +864,9 @@ def test_step_breakdown_groups_and_fits_what_a_draft_adds():
     fit = got["fit"]
     assert fit["batch"] == 4 and fit["steps"] == 38
     assert fit["ms"] == pytest.approx([30.0, 5.0, 1.0], abs=1e-6)
+    # two stalled steps move no median, so not the fit either
+    stalled = sb.summarize(steps + _steps(4, 0, 0, 500.0, 2))["fit"]
+    assert stalled["ms"] == pytest.approx([30.0, 5.0, 1.0], abs=1e-6)
     # no draft at all: nothing to fit
     assert sb.summarize(_steps(4, 0, 0, 30.0, 20))["fit"] is None
     assert sb.summarize([]) == {"groups": {}, "fit": None}
