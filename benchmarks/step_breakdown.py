@@ -13,6 +13,7 @@ engine step inside vLLM's model runner:
   verified);
 * ``proposer+``: the rest of ``sample_tokens`` (the method's proposer and
   vLLM's bookkeeping);
+* ``other``: the rest of the step (the logits, vLLM's metadata);
 * ``step``: from the start of ``execute_model`` to the end of
   ``sample_tokens``.
 
@@ -41,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-PARTS = ("prepare", "forward", "sampler", "proposer+", "step")
+PARTS = ("prepare", "forward", "sampler", "proposer+", "other", "step")
 #: Runner methods timed (part name -> GPUModelRunner attribute).
 TIMED = {"prepare": "_prepare_inputs", "forward": "_model_forward", "sampler": "_sample"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -101,6 +102,7 @@ def summarize(steps: list[dict]) -> dict:
 
     groups: dict[tuple, list[dict]] = {}
     for s in steps:
+        s = dict(s, other=s["step"] - sum(s[p] for p in PARTS[:4]))
         groups.setdefault(group_of(s), []).append(s)
     out = {}
     for (b, d), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
