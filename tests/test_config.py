@@ -53,7 +53,7 @@ def test_defaults_valid():
     assert cfg.adaptive is True
     assert cfg.cost_model == "auto"
     assert cfg.shared_memory is True and cfg.memory_tokens == 131072
-    assert cfg.parent_latency is False
+    assert cfg.parent_latency is True
     assert set(cfg.field_names()) == set(RANGES) | {"prompt_pool", "mode", "adaptive",
                                                     "cost_model", "shared_memory",
                                                     "parent_latency"}

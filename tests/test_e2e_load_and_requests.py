@@ -230,7 +230,7 @@ def test_n_samples_are_planned_for_their_parent(smollm2_path, prompts, vanilla, 
     """The samples of an ``n`` > 1 request reach the proposer as siblings
     (vLLM's child ids): with ``parent_latency`` they are planned for their
     parent (``sibling_steps``; those whose tokens are worth less than a
-    token, ``sibling_ahead_steps``); off (the default), never. Separate requests are never
+    token, ``sibling_ahead_steps``; on by default); off, never. Separate requests are never
     siblings; greedy output next to them stays exact."""
     from vllm import SamplingParams
 
