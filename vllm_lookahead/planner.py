@@ -116,9 +116,15 @@ class RequestView:
 
     def verify_s(self, draft: int) -> float:
         """Seconds vLLM's verifier adds for a draft of ``draft`` tokens."""
-        if draft <= 0:
-            return 0.0
-        return self.verify[0] + self.verify[1] * (draft - 1)
+        return verify_seconds(self.verify, draft)
+
+
+def verify_seconds(verify: tuple[float, float], draft: int) -> float:
+    """Seconds vLLM's verifier adds for a draft of ``draft`` tokens, from
+    its ``(first token, each next one)`` seconds; 0 without a draft."""
+    if draft <= 0:
+        return 0.0
+    return verify[0] + verify[1] * (draft - 1)
 
 
 def sibling_rows(groups: list, remaining: list) -> list[list[int]]:
@@ -334,19 +340,16 @@ class Planner:
         # A catch-up tree rides in this step but confirms no draft until
         # the next: one step of the run without its gain.
         catch_up = (1.0 - 1.0 / max(self.horizon, 1.0)) if self.fused and v.chain <= 0 else None
-        room, (first, nxt) = v.room, v.verify
         window_cols = max(v.window_size, 1)
-        tree_gain = acc.tree_gain
         for w, g, nodes in _tree_options(n, v.window_size, v.guess_set_size):
-            m = min(tree_gain(g, w / window_cols), n - 1)
+            m = min(acc.tree_gain(g, w / window_cols), n - 1)
             # Steady state: each step drafts the chain the last tree
             # confirmed (about m tokens) and checks the next tree.
-            d = min(int(round(m)), room)
+            d = min(int(round(m)), v.room)
             gain = m * checked
             if catch_up is not None:
                 gain *= catch_up
-            out.append(Shape("tree", d, w, g, nodes, 1 + gain,
-                             extra_1 + (first + nxt * (d - 1) if d > 0 else 0.0)))
+            out.append(Shape("tree", d, w, g, nodes, 1 + gain, extra_1 + v.verify_s(d)))
         return out
 
     #: What a seeded request's draft costs beyond the forward's rows, in

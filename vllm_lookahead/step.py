@@ -62,6 +62,7 @@ from vllm_lookahead.planner import (
     Shape,
     sibling_rows,
     sibling_weights,
+    verify_seconds,
 )
 from vllm_lookahead.trees import TreeAsk, plan_trees
 
@@ -193,7 +194,7 @@ class StepDrafter:
             return [], None
         fixed = self.planner is None  # adaptive off: the full tree every step
         views = []
-        verify = measured = {}
+        verify, measured = {}, {}
         if not fixed:
             batch = len(live) + max(others, 0)
             verify = {k: self.planner.verify_seen(batch, k) for k in (True, False)}
@@ -228,7 +229,7 @@ class StepDrafter:
                        for r, sh in zip(live, shapes) if sh.draft > 0]
             planned = (len(live), q, any(sh.kind == "tree" for sh in shapes),
                        sum(sh.query > 1 for sh in shapes),
-                       sum(f + n * (d - 1) for (f, n), d in counted),
+                       sum(verify_seconds(pair, d) for pair, d in counted),
                        (min(f for (f, _), _ in counted), min(n for (_, n), _ in counted))
                        if counted else None)
         trees = []
