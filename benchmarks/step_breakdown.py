@@ -45,14 +45,13 @@ from pathlib import Path
 PARTS = ("prepare", "forward", "sampler", "proposer+", "other", "step")
 #: Runner methods timed (part name -> GPUModelRunner attribute).
 TIMED = {"prepare": "_prepare_inputs", "forward": "_model_forward", "sampler": "_sample"}
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-         "prompt_lookup_min": 2}
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", default=["vanilla", "ngram", "la"],
-                   help="vanilla, ngram, la, or a JSON speculative_config")
+                   help="bench.py method entries (vanilla, ngram, suffix, la, la:parent, ...) "
+                        "or a JSON speculative_config")
     p.add_argument("--model", default="smollm2", choices=["smollm2", "qwen-coder"])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--dataset", default="mtbench", choices=["humaneval", "mtbench"])
@@ -69,20 +68,26 @@ def _parse(argv):
 
 
 def spec_of(method: str) -> dict | None:
-    """The ``speculative_config`` of a method name (None: vanilla)."""
-    if method == "vanilla":
-        return None
-    if method == "ngram":
-        return dict(NGRAM)
-    if method == "la":
-        return {"method": "lookahead"}
+    """The ``speculative_config`` of a method: a ``bench.py`` method entry
+    (``methods.parse_method``: vanilla, ngram, suffix, la and its flags;
+    None for vanilla) or a JSON ``speculative_config``."""
+    if method.lstrip().startswith("{"):
+        try:
+            spec = json.loads(method)
+        except ValueError:
+            spec = None
+        if not isinstance(spec, dict) or "method" not in spec:
+            raise SystemExit(f"--methods: {method!r} is not vanilla, ngram, la or a JSON config")
+        return spec
+    from methods import MethodSpecError, parse_method
+
     try:
-        spec = json.loads(method)
-    except ValueError:
-        spec = None
-    if not isinstance(spec, dict) or "method" not in spec:
-        raise SystemExit(f"--methods: {method!r} is not vanilla, ngram, la or a JSON config")
-    return spec
+        parsed = parse_method(method)
+    except MethodSpecError as exc:
+        raise SystemExit(f"--methods: {exc}") from None
+    if parsed.checkout is not None:
+        raise SystemExit(f"--methods: {method!r}: another checkout (@PATH) is bench.py's only")
+    return parsed.spec
 
 
 def group_of(step: dict) -> tuple[int, str]:

@@ -878,6 +878,9 @@ def test_step_breakdown_methods():
     assert sb.spec_of("vanilla") is None
     assert sb.spec_of("ngram")["method"] == "ngram"
     assert sb.spec_of("la") == {"method": "lookahead"}
+    assert sb.spec_of("la:parent") == methods.parse_method("la:parent").spec  # bench.py's entries
+    with pytest.raises(SystemExit, match="bench.py's only"):
+        sb.spec_of(f"la@{BENCH_DIR.parent}")  # a checkout that exists
     assert sb.spec_of('{"method": "lookahead", "parent_latency": true}')["parent_latency"] is True
     with pytest.raises(SystemExit, match="not vanilla"):
         sb.spec_of('{"ngram_size": 4}')
