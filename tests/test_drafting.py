@@ -567,10 +567,3 @@ def test_samples_of_one_parent_are_planned_by_who_ends_last():
     assert drafts == [[6, 9, 4], [], [6, 9, 4]]
     assert stats.sibling_ahead_steps == 1  # the one ahead, in the step
     assert stats.sibling_steps == 2  # the two samples
-    # the share of steps each sample drafted, forgetting at the acceptance's
-    # rate: the one that drafted keeps 1, the one left off falls by 1 - keep;
-    # a request without siblings is not tracked
-    keep = live[1].state.acc.keep
-    assert live[0].state.draft_share == pytest.approx(1.0)
-    assert live[1].state.draft_share == pytest.approx(keep)
-    assert live[2].state.draft_share == 1.0

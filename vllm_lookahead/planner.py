@@ -165,9 +165,8 @@ def sibling_weights(groups: list, remaining: list, slot_value, end_value,
             samples, in [0, 1] (:meth:`Planner.drain_value`).
         end_value: ``k -> tokens`` of the step a parent step of a parent
             with ``k`` live samples is worth (:meth:`Planner.end_value`).
-        draws: per request, ``(p, K)`` or ``(p, K, f)``: its typical
-            draft's per-token acceptance and length, and the share of its
-            steps that draft (:func:`~vllm_lookahead.siblings.end_shares`).
+        draws: per request, ``(p, K)``: its typical draft's per-token
+            acceptance and length.
 
     Returns:
         per request, its weight (``RequestView.weight``).

@@ -9,21 +9,16 @@ and then spread apart, and the parent ends with the one that gained least.
 
 Model (numpy, no vLLM; unit-tested): sample ``i`` with ``r_i`` tokens left
 to its ``max_tokens`` and a typical draft of ``K_i`` tokens each accepted
-with probability ``p_i`` (accepted ``D_i``, truncated geometric), which it
-drafts in a share ``f_i`` of its steps (what the planner has given it of
-late: a sample planned off gains nothing from drafts it does not get), gains
-``A_i`` a step: ``D_i`` with probability ``f_i``, else 0 (mean ``mu_i``,
-variance ``v_i``). It needs ``S_i`` more steps, normal with mean
-``r_i / (1 + mu_i)`` and variance ``r_i v_i / (1 + mu_i)**3`` (renewal
+with probability ``p_i`` (accepted ``A_i``, truncated geometric: mean
+``mu_i``, variance ``v_i`` a step) needs ``S_i`` more steps, normal with
+mean ``r_i / (1 + mu_i)`` and variance ``r_i v_i / (1 + mu_i)**3`` (renewal
 theory; at least :data:`SPREAD_FLOOR` squared: steps are whole). The parent
 ends after ``max_i S_i`` steps. Sample ``j`` gaining ``a`` tokens now ends
 ``a / (1 + mu_j)`` steps sooner; the parent's expected end moves by
 ``E[max S] - E[max S']`` (computed on a grid from the normal CDFs), averaged
-over its draft's ``D_j``. That share of the draft's expected gain ends the
-parent sooner, worth ``end_value`` tokens of the step a parent step; the
-rest frees its slot, worth ``slot_value``. Sixteen samples that are planned
-off alike end together, whoever drafts: none of them is the laggard a model
-of drafts every step would make of the one with the weakest lookups.
+over ``A_j``. That share of its expected gain ends the parent sooner, worth
+``end_value`` tokens of the step a parent step; the rest frees its slot,
+worth ``slot_value``.
 """
 
 from __future__ import annotations
@@ -66,36 +61,31 @@ def end_shares(remaining: list[int], draws: list[tuple[float, int]]) -> list[flo
 
     Args:
         remaining: per sample, tokens left to its ``max_tokens``.
-        draws: per sample, ``(p, K)`` or ``(p, K, f)``: its typical draft's
-            per-token acceptance and length, and the share of its steps
-            that draft (default 1: every step).
+        draws: per sample, ``(p, K)``: its typical draft's per-token
+            acceptance and length.
     """
     n = len(remaining)
     if n == 0:
         return []
     if n == 1:
         return [1.0]
-    # Samples alike in (r, p and f to 2 decimals, K) are computed once.
+    # Samples alike in (r, p to 2 decimals, K) are computed once.
     keys: dict = {}
-    index = [keys.setdefault((int(r), round(float(d[0]), 2), max(int(d[1]), 1),
-                              round(float(d[2]), 2) if len(d) > 2 else 1.0), len(keys))
-             for r, d in zip(remaining, draws)]
+    index = [keys.setdefault((int(r), round(float(p), 2), max(int(k), 1)), len(keys))
+             for r, (p, k) in zip(remaining, draws)]
     uniq = list(keys)
     counts = np.bincount(np.asarray(index), minlength=len(uniq)).astype(np.float64)
     r = np.maximum(np.array([u[0] for u in uniq], dtype=np.float64), 0.0)
     p = np.clip(np.array([u[1] for u in uniq]), 0.0, 1.0)
     k = np.array([u[2] for u in uniq])
-    f = np.clip(np.array([u[3] for u in uniq]), 0.0, 1.0)
     k_max = int(k.max())
     a = np.arange(k_max + 1, dtype=np.float64)
-    # P(D = a): p^a (1 - p) below K, p^K at K, 0 past K  [U, k_max + 1]
+    # P(A = a): p^a (1 - p) below K, p^K at K, 0 past K  [U, k_max + 1]
     pmf = p[:, None] ** a[None, :] * (1.0 - p[:, None])
     pmf[a[None, :] > k[:, None]] = 0.0
     pmf[np.arange(len(uniq)), k] = p ** k
-    gain = pmf @ a  # E[D]: a draft's expected gain
-    # a step's gain A: D in a share f of the steps, else 0
-    mu = f * gain
-    var = f * (pmf @ (a * a)) - mu * mu
+    mu = pmf @ a
+    var = pmf @ (a * a) - mu * mu
     mean = r / (1.0 + mu)
     sd = np.sqrt(np.maximum(r * var / (1.0 + mu) ** 3, 0.0) + SPREAD_FLOOR ** 2)
     # Below lo some sample surely has not ended: the max is above it with
@@ -120,7 +110,7 @@ def end_shares(remaining: list[int], draws: list[tuple[float, int]]) -> list[flo
             (x[None, None, :] + shift - mean[rows, None, None]) / sd[rows, None, None]), tiny))
         diff = np.exp((total - log_f[rows])[:, None, :] + moved) - np.exp(total)[None, None, :]
         steps = np.einsum("ra,ra->r", pmf[rows, 1:], diff.sum(axis=2)) * dx  # parent steps sooner
-        expect = gain[rows]
+        expect = mu[rows]
         # a draft that never hits: value one token
         never = expect <= 0
         steps = np.where(never, diff[:, 0, :].sum(axis=1) * dx, steps)

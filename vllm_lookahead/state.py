@@ -173,10 +173,6 @@ class RequestState:
     #: Its parent request when it is one of n samples (``sibling_group``),
     #: else None.
     group: str | None = None
-    #: One of n samples: the share of its steps it drafted of late (an
-    #: average forgetting at the acceptance's rate; starts at 1, every
-    #: step), which its parent's end model reads (``siblings.end_shares``).
-    draft_share: float = 1.0
     #: Number of the request's tokens whose n-grams are in the pool
     #: (0 when the prompt pool is off).
     pooled_upto: int = 0

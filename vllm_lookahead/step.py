@@ -153,11 +153,6 @@ class StepDrafter:
             if drafts[r.i]:
                 self.stats.drafts += 1
                 self.stats.draft_tokens += len(drafts[r.i])
-        for r in everyone:  # how often each sample of a parent drafts (_weights)
-            st = r.state
-            if st.group is not None:
-                keep = st.acc.keep
-                st.draft_share = keep * st.draft_share + (1.0 - keep) * bool(drafts[r.i])
         if len(live) < len(everyone):  # a quiet step: time it as planned
             n, q, tree, m, ver, least = (planned if planned is not None
                                          else (0, 1.0, False, 0, 0.0, None))
@@ -180,10 +175,9 @@ class StepDrafter:
             groups.append(st.group)
             remaining.append(None if st.max_tokens is None
                              else st.max_tokens - (r.n_tok - st.num_prompt_tokens))
-            # its typical draft: its last lookup's kind, N - 1 tokens, in
-            # the share of its steps it has drafted of late
+            # its typical draft: its last lookup's kind, N - 1 tokens
             draws.append((st.acc.unchecked[st.lookup_kind].p * st.acc.prior.calibration,
-                          max(1, min(st.settings.ngram_size - 1, r.room)), st.draft_share))
+                          max(1, min(st.settings.ngram_size - 1, r.room))))
         w = sibling_weights(groups, remaining, lambda k: self.planner.drain_value(batch, k),
                             lambda k: self.planner.end_value(batch, k), draws)
         planned = {everyone[j].i for rows in sibling_rows(groups, remaining) for j in rows}
