@@ -631,6 +631,29 @@ def test_the_prior_forgets_its_assumed_start_fast():
     assert prior.tree_cands[0] < 0.25 * assumed  # a running mean, not a 2% EMA
 
 
+def test_tree_gains_in_one_pass_are_tree_gain_exactly():
+    """The planner prices its trees with ``tree_gains`` (one pass): the very
+    floats ``tree_gain`` gives, for every shape of an N, W, G, however the
+    estimates moved."""
+    from vllm_lookahead.acceptance import window_root
+    from vllm_lookahead.planner import _tree_options, _tree_table
+
+    rng = np.random.default_rng(3)
+    prior = AcceptancePrior(max_cands=4)
+    acc = RequestAcceptance(prior)
+    for _ in range(30):
+        acc.observe_tree(list(rng.integers(0, 3, 3)), list(rng.random(3) < 0.3),
+                         window_on=float(rng.choice([0.0, 0.25, 0.5, 1.0])))
+        acc.relax()
+        for n, w, g in ((3, 2, 2), (5, 4, 4), (4, 7, 3), (2, 0, 4), (4, 4, 6)):
+            options, roots = _tree_table(n, w, g)
+            assert options == _tree_options(n, w, g)
+            cols = max(w, 1)
+            assert roots == tuple((gg, window_root(ww / cols)) for ww, gg, _ in options)
+            assert acc.tree_gains(roots) == [acc.tree_gain(gg, ww / cols)
+                                             for ww, gg, _ in options]
+
+
 def test_window_gain_by_columns_and_harvest_credit():
     prior = AcceptancePrior(max_cands=2, tree_cands=[0.0, 0.0], tree_window=1.0)
     acc = RequestAcceptance(prior)

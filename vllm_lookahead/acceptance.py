@@ -55,12 +55,19 @@ def geometric_gain(p: float, k: int) -> float:
     return p * (1 - p**k) / (1 - p)
 
 
+def window_root(share: float) -> float:
+    """``sqrt(share)`` of a tree's share of its W window columns, at most 1
+    (0 for none): the factor of :func:`window_gain`."""
+    if not share or share <= 0:
+        return 0.0
+    return min(float(share), 1.0) ** 0.5
+
+
 def window_gain(full: float, share: float) -> float:
     """The window's gain for a tree with ``share`` of its W columns, from
     ``full``, the gain of all W: ``full * sqrt(share)`` (0 for none)."""
-    if not share or share <= 0:
-        return 0.0
-    return full * (min(float(share), 1.0) ** 0.5)
+    root = window_root(share)
+    return full * root if root else 0.0
 
 
 @dataclass
@@ -226,6 +233,15 @@ class RequestAcceptance:
         else:
             base = self.tree_cands[min(g, len(self.tree_cands)) - 1]
         return base + window_gain(self.tree_window, window)
+
+    def tree_gains(self, shapes) -> list[float]:
+        """:meth:`tree_gain` of each of ``shapes``, ``(g, root)`` pairs
+        (``root``: :func:`window_root` of its window share), in one pass
+        (the planner prices a dozen trees per request per step)."""
+        cands, window = self.tree_cands, self.tree_window
+        last = len(cands)
+        return [(cands[(g if g < last else last) - 1] if g > 0 else 0.0)
+                + (window * root if root else 0.0) for g, root in shapes]
 
     # -- what the proposer reports ---------------------------------------------
     def observe_unchecked(self, draft, produced, kind: str = "suffix4") -> None:

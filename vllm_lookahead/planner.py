@@ -27,10 +27,10 @@ Pure Python: unit-tested on synthetic cost curves without an engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import NamedTuple
 
-from vllm_lookahead.acceptance import RequestAcceptance, geometric_gain
+from vllm_lookahead.acceptance import RequestAcceptance, geometric_gain, window_root
 from vllm_lookahead.attn_mask import tree_size
 from vllm_lookahead.siblings import end_shares
 
@@ -78,6 +78,9 @@ class Shape(NamedTuple):
 
 
 OFF = Shape("off")
+#: A :class:`Shape` from all its fields in order (no defaults to fill: the
+#: planner's inner loop makes a dozen a request).
+_shape = partial(tuple.__new__, Shape)
 
 
 @dataclass
@@ -251,6 +254,16 @@ def _tree_options(ngram_size: int, window_size: int, g_max: int) -> tuple:
 
 
 @lru_cache(maxsize=256)
+def _tree_table(ngram_size: int, window_size: int, g_max: int) -> tuple:
+    """:func:`_tree_options`, and each shape's ``(g, root)`` for
+    :meth:`RequestAcceptance.tree_gains` (``root``: the square root of its
+    share of the W window columns)."""
+    options = _tree_options(ngram_size, window_size, g_max)
+    cols = max(window_size, 1)
+    return options, tuple((g, window_root(w / cols)) for w, g, _ in options)
+
+
+@lru_cache(maxsize=256)
 def _bound_options(ngram_size: int, window_size: int, g_max: int) -> dict:
     """:func:`_tree_options` as :class:`BestCase` sees them: ``(window on,
     candidates)`` -> the fewest nodes of such a shape."""
@@ -340,16 +353,24 @@ class Planner:
         # A catch-up tree rides in this step but confirms no draft until
         # the next: one step of the run without its gain.
         catch_up = (1.0 - 1.0 / max(self.horizon, 1.0)) if self.fused and v.chain <= 0 else None
-        window_cols = max(v.window_size, 1)
-        for w, g, nodes in _tree_options(n, v.window_size, v.guess_set_size):
-            m = min(acc.tree_gain(g, w / window_cols), n - 1)
+        table, roots = _tree_table(n, v.window_size, v.guess_set_size)
+        cap, room, verify = n - 1, v.room, v.verify
+        verify_s = {}  # by draft length
+        for (w, g, nodes), m in zip(table, acc.tree_gains(roots)):
+            if m > cap:
+                m = cap
             # Steady state: each step drafts the chain the last tree
             # confirmed (about m tokens) and checks the next tree.
-            d = min(int(round(m)), v.room)
+            d = int(round(m))
+            if d > room:
+                d = room
             gain = m * checked
             if catch_up is not None:
                 gain *= catch_up
-            out.append(Shape("tree", d, w, g, nodes, 1 + gain, extra_1 + v.verify_s(d)))
+            extra = verify_s.get(d)
+            if extra is None:
+                extra = verify_s[d] = extra_1 + verify_seconds(verify, d)
+            out.append(_shape(("tree", d, w, g, nodes, 1 + gain, extra)))
         return out
 
     #: What a seeded request's draft costs beyond the forward's rows, in
@@ -506,9 +527,13 @@ class Planner:
         # Per option: (query tokens, whether a tree, tokens, extra seconds,
         # whether more than one query token).
         # (a request's gain beyond its one token counted at its weight)
-        rows = [[(o.query, o.kind == "tree", 1.0 + v.weight * (o.tokens - 1.0), o.extra_s,
-                  o.query > 1) for o in opts]
-                for v, opts in zip(views, options)]
+        rows = []
+        for v, opts in zip(views, options):
+            weight, row = v.weight, []
+            for kind, draft, _, _, nodes, tokens, extra_s in opts:
+                q = 1 + draft + nodes  # Shape.query
+                row.append((q, kind == "tree", 1.0 + weight * (tokens - 1.0), extra_s, q > 1))
+            rows.append(row)
         pick = [0] * r_n
         q_tot = sum(o[0][0] for o in rows)
         extra = sum(o[0][3] for o in rows)
