@@ -69,21 +69,25 @@ def end_shares(remaining: list[int], draws: list[tuple[float, int]]) -> list[flo
         return []
     if n == 1:
         return [1.0]
-    # Samples alike in (r, p to 2 decimals, K) are computed once.
+    # Samples alike in (r, p to 2 decimals, K) are computed once. (Few
+    # numpy calls: the proposer runs this every step, on arrays of a few
+    # hundred floats, where each call's overhead is most of its cost.)
     keys: dict = {}
     index = [keys.setdefault((int(r), round(float(p), 2), max(int(k), 1)), len(keys))
              for r, (p, k) in zip(remaining, draws)]
     uniq = list(keys)
-    counts = np.bincount(np.asarray(index), minlength=len(uniq)).astype(np.float64)
-    r = np.maximum(np.array([u[0] for u in uniq], dtype=np.float64), 0.0)
-    p = np.clip(np.array([u[1] for u in uniq]), 0.0, 1.0)
-    k = np.array([u[2] for u in uniq])
+    n_u = len(uniq)
+    counts = np.bincount(np.asarray(index), minlength=n_u).astype(np.float64)
+    arr = np.array(uniq, dtype=np.float64)  # [U, 3]: r, p, K
+    r = np.maximum(arr[:, 0], 0.0)
+    p = np.minimum(np.maximum(arr[:, 1], 0.0), 1.0)
+    k = arr[:, 2].astype(np.int64)
     k_max = int(k.max())
     a = np.arange(k_max + 1, dtype=np.float64)
     # P(A = a): p^a (1 - p) below K, p^K at K, 0 past K  [U, k_max + 1]
     pmf = p[:, None] ** a[None, :] * (1.0 - p[:, None])
     pmf[a[None, :] > k[:, None]] = 0.0
-    pmf[np.arange(len(uniq)), k] = p ** k
+    pmf[np.arange(n_u), k] = p ** k
     mu = pmf @ a
     var = pmf @ (a * a) - mu * mu
     mean = r / (1.0 + mu)
@@ -91,29 +95,37 @@ def end_shares(remaining: list[int], draws: list[tuple[float, int]]) -> list[flo
     # Below lo some sample surely has not ended: the max is above it with
     # or without a shift (equal parts of both integrals); a sample that
     # surely ends before lo is never last.
-    lo = float(np.max(mean - 4.0 * sd))
+    lo = float((mean - 4.0 * sd).max())
     near = mean + 4.0 * sd >= lo
-    hi = float(np.max(mean + 4.0 * sd)) + float(np.max(k / (1.0 + mu)))
-    step = float(np.min(sd[near])) / 3.0  # a third of the narrowest spread that counts
+    hi = float((mean + 4.0 * sd).max()) + float((k / (1.0 + mu)).max())
+    step = float(sd[near].min()) / 3.0  # a third of the narrowest spread that counts
     points = int(min(max((hi - lo) / step, 16), _MAX_POINTS))
-    x = np.linspace(lo, hi, points + 1)
+    # np.linspace(lo, hi, points + 1), as it computes it
+    x = np.arange(points + 1, dtype=np.float64) * ((hi - lo) / points) + lo
+    x[-1] = hi
     dx = x[1] - x[0]
-    tiny = 1e-300
-    log_f = np.log(np.maximum(_ndtr((x[None, :] - mean[:, None]) / sd[:, None]), tiny))
-    total = counts @ log_f  # log P(every sample ended by x)  [points]
     rows = np.flatnonzero(near)
-    out_u = np.zeros(len(uniq))
+    # sample u gaining a tokens ends a / (1 + mu) steps sooner  [R, k_max, points]
+    shift = a[None, 1:, None] / (1.0 + mu[rows, None, None])
+    # the normal CDFs of every sample on the grid [U, points] and of the
+    # near ones shifted [R, k_max, points], in one call
+    z = np.concatenate((((x[None, :] - mean[:, None]) / sd[:, None]).ravel(),
+                        ((x[None, None, :] + shift - mean[rows, None, None])
+                         / sd[rows, None, None]).ravel()))
+    log_cdf = np.log(np.maximum(_ndtr(z), 1e-300))
+    cut = n_u * x.size
+    log_f = log_cdf[:cut].reshape(n_u, x.size)
+    moved = log_cdf[cut:].reshape(rows.size, k_max, x.size)
+    total = counts @ log_f  # log P(every sample ended by x)  [points]
+    out_u = np.zeros(n_u)
     if rows.size:
-        # sample u gaining a tokens ends a / (1 + mu) steps sooner  [R, k_max, points]
-        shift = a[None, 1:, None] / (1.0 + mu[rows, None, None])
-        moved = np.log(np.maximum(_ndtr(
-            (x[None, None, :] + shift - mean[rows, None, None]) / sd[rows, None, None]), tiny))
         diff = np.exp((total - log_f[rows])[:, None, :] + moved) - np.exp(total)[None, None, :]
         steps = np.einsum("ra,ra->r", pmf[rows, 1:], diff.sum(axis=2)) * dx  # parent steps sooner
         expect = mu[rows]
-        # a draft that never hits: value one token
         never = expect <= 0
-        steps = np.where(never, diff[:, 0, :].sum(axis=1) * dx, steps)
-        expect = np.where(never, 1.0, expect)
-        out_u[rows] = np.clip(steps * (1.0 + mu[rows]) / expect, 0.0, 1.0)
-    return [float(out_u[u]) for u in index]
+        if never.any():  # a draft that never hits: value one token
+            steps = np.where(never, diff[:, 0, :].sum(axis=1) * dx, steps)
+            expect = np.where(never, 1.0, expect)
+        out_u[rows] = np.minimum(np.maximum(steps * (1.0 + mu[rows]) / expect, 0.0), 1.0)
+    shares = out_u.tolist()
+    return [shares[u] for u in index]
