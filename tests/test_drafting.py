@@ -463,6 +463,51 @@ def test_quiet_batch_skips_mature_requests_and_keeps_young_ones():
     assert stats.shape_steps["off"] == 4
 
 
+def test_a_request_whose_own_bound_cannot_pay_is_left_out():
+    """A step where one request's drafts may pay is not quiet, but a mature
+    request whose own acceptance (and the engine's prior) could not pay for
+    any draft or tree, with the others off, is left out of it
+    (``requests_quiet``); the one that may pay is looked up and drafts."""
+    from vllm_lookahead.acceptance import LOOKUP_KINDS
+    from vllm_lookahead.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner import Planner
+    from vllm_lookahead.step import QuietBatches
+
+    cfg = LookaheadConfig(ngram_size=3, window_size=2, guess_set_size=2, mode="fused")
+    stats = LookaheadStats()
+    prior = AcceptancePrior(max_cands=2, p_unchecked=0.1, tree_cands=[0.0, 0.0],
+                            tree_window=0.0)
+    step = StepDrafter(cfg, True, 1000, stats, prior)
+    step.planner = Planner(CostModel(CostCurve.flat(0.05, 0.3)))
+    text = [4, 5, 6, 9, 4, 5, 6, 9, 4, 5]
+    tokens = np.zeros((2, 64), dtype=np.int32)
+    tokens[:, : len(text)] = text
+    strong, weak = (new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
+                              tokens[i], len(text), len(text), None, False, 0, prior)
+                    for i in range(2))
+    for st, p in ((strong, 0.95), (weak, 0.01)):
+        st.acc.seen = QuietBatches.MATURE
+        for kind in LOOKUP_KINDS:
+            st.acc.unchecked[kind].hits, st.acc.unchecked[kind].misses = 100 * p, 100 * (1 - p)
+    live = [Live(0, strong, len(text), 3, []), Live(1, weak, len(text), 3, [])]
+
+    def no_trees(rows):  # pragma: no cover - must not run
+        raise AssertionError(rows)
+
+    drafts, _ = step.run(live, 2, 2, 3, True, tokens, no_trees)  # joined: full step
+    assert stats.requests_quiet == 0 and weak.lookup
+    assert drafts[0] == [6, 9, 4] and drafts[1] == []
+    drafts, _ = step.run(live, 2, 2, 3, False, tokens, no_trees)
+    assert stats.steps_quiet == 0 and stats.requests_quiet == 1
+    assert weak.lookup == [] and strong.lookup
+    assert drafts[0] == [6, 9, 4] and drafts[1] == []
+    # a weak request is still planned where the batch's bound pays but its
+    # own was never taken (no full step yet: a request that just matured)
+    weak.quiet_best = None
+    step.run(live, 2, 2, 3, False, tokens, no_trees)
+    assert stats.requests_quiet == 1 and weak.lookup
+
+
 def test_planner_counts_requests_left_out_as_off():
     from vllm_lookahead.acceptance import RequestAcceptance
     from vllm_lookahead.cost_model import CostCurve, CostModel

@@ -193,7 +193,7 @@ def test_any_pays_false_means_the_plan_is_all_off():
     """The bound is safe: on random batches, whenever it says nothing pays,
     the planner plans every request off (whatever each found to draft)."""
     rng = random.Random(0)
-    quiet = 0
+    quiet = alone_off = 0
     for trial in range(400):
         fn = rng.choice([amx, avx2_bf16, gpu, lambda t: 1 + 0.06 * (t - 1),
                          lambda t: 1 + 0.02 * (t - 1)])
@@ -222,7 +222,58 @@ def test_any_pays_false_means_the_plan_is_all_off():
         if not planner.any_pays(batch, BestCase.of(views, prior, sampled=all(sampled))):
             quiet += 1
             assert all(s == OFF for s in planner.plan(views)), trial
-    assert quiet >= 10  # the case is exercised
+        # each request's own bound (step.QuietBatches): where it says
+        # nothing pays, the request alone among the others off is planned
+        # off; the bounds joined are a bound of the batch
+        own = [BestCase.of([v], prior, sampled=s) for v, s in zip(views, sampled)]
+        joined = own[0]
+        for best in own[1:]:
+            joined = joined.join(best)
+        if not planner.any_pays(batch, joined):
+            assert all(s == OFF for s in planner.plan(views)), trial
+        for v, best in zip(views, own):
+            if not planner.any_pays(batch, best):
+                alone_off += 1
+                assert planner.plan([v], others=batch - 1) == [OFF], trial
+    assert quiet >= 10 and alone_off >= 50  # the cases are exercised
+
+
+def test_pay_weight_is_where_any_shape_starts_to_pay():
+    """``any_pays`` at a weight is the bound's test of each shape, weight
+    times gain against its cost in tokens of the plain step; ``pay_weight``
+    is where the first shape passes it."""
+    from vllm_lookahead.planner import draft_lengths
+
+    rng = random.Random(1)
+    for trial in range(200):
+        fn = rng.choice([amx, avx2_bf16, gpu, lambda t: 1 + 0.06 * (t - 1)])
+        planner = Planner(CostModel(curve_from(fn)))
+        prior = AcceptancePrior(max_cands=4, p_unchecked=rng.uniform(0, 0.9))
+        acc = RequestAcceptance(prior)
+        acc.tree_cands = sorted(rng.uniform(0, 2.0) for _ in acc.tree_cands)
+        v = view(acc, n=rng.randint(2, 6), w=rng.randint(0, 4), g=rng.randint(1, 4),
+                 room=rng.randint(0, 6))
+        best = BestCase.of([v], prior, sampled=rng.random() < 0.5)
+        batch = rng.choice([1, 2, 4, 16])
+        c0 = planner.cost.predict(batch, 1.0, tree=False)
+        first, nxt = planner.verify_seen(batch, True)
+        if not best.sampled:
+            g_first, g_next = planner.verify_seen(batch, False)
+            first, nxt = min(first, g_first), min(nxt, g_next)
+
+        def cost(query, tree, extra=0.0):
+            sec = planner.cost.predict(batch, (batch - 1 + query) / batch, tree=tree, drafting=1)
+            return batch / c0 * (sec + extra - c0) + 1e-12
+
+        shapes = ([(geometric_gain(best.p_unchecked, k), cost(1 + k, False, first + nxt * (k - 1)))
+                   for k in draft_lengths(best.max_draft)] if best.max_draft > 0 else [])
+        shapes += [(gain, cost(1 + nodes, True)) for gain, nodes in best.trees.values()] \
+            if best.max_draft > 0 else []
+        least = planner.pay_weight(batch, best)
+        for w in (0.0, 0.3, 1.0, 2.5, 7.0):
+            ref = any(w * gain > c for gain, c in shapes)
+            if abs(w - least) > 1e-9 * max(1.0, abs(least)):
+                assert planner.any_pays(batch, best, w) is ref, (trial, w, least)
 
 
 def test_geometric_gain():

@@ -26,6 +26,7 @@ Pure Python: unit-tested on synthetic cost curves without an engine.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import NamedTuple
@@ -226,6 +227,17 @@ class BestCase:
                 trees[(w, g)] = (max(old[0], m * p_c), min(old[1], nodes))
         return cls(p_unchecked=p_u, max_draft=max(v.room for v in views), trees=trees,
                    sampled=sampled)
+
+    def join(self, other: "BestCase") -> "BestCase":
+        """The bound of both bounds' requests (the best of each figure, the
+        fewest nodes of each tree kind)."""
+        trees = dict(self.trees)
+        for key, (gain, nodes) in other.trees.items():
+            old = trees.get(key, (0.0, nodes))
+            trees[key] = (max(old[0], gain), min(old[1], nodes))
+        return BestCase(p_unchecked=max(self.p_unchecked, other.p_unchecked),
+                        max_draft=max(self.max_draft, other.max_draft), trees=trees,
+                        sampled=self.sampled and other.sampled)
 
 
 @lru_cache(maxsize=128)
@@ -475,7 +487,8 @@ class Planner:
     def any_pays(self, batch: int, best: BestCase, weight: float = 1.0) -> bool:
         """Whether :meth:`plan` could give any request of a ``batch``-request
         step a draft or a tree, for requests no better than ``best`` whose
-        gained tokens are worth at most ``weight`` (``RequestView.weight``).
+        gained tokens are worth at most ``weight`` (``RequestView.weight``):
+        ``weight`` above :meth:`pay_weight`.
 
         :meth:`plan` starts from every request off and moves a request only
         where a shape beats off with the others off. Here each shape's gain
@@ -484,8 +497,17 @@ class Planner:
         False means the plan is all off: the proposer may skip the batch's
         per-request work (lookups, pool updates, planning) this step.
         """
+        return max(weight, 0.0) > self.pay_weight(batch, best)
+
+    def pay_weight(self, batch: int, best: BestCase) -> float:
+        """The least weight (``RequestView.weight``) above which a request
+        no better than ``best`` could be given a draft or a tree in a
+        ``batch``-request step, the others off (:meth:`any_pays`): over the
+        bounded shapes, the least of what each costs beyond a plain step,
+        in tokens of the plain step, over its gained tokens (inf: no shape
+        pays at any weight; -inf: one pays at any)."""
         if batch <= 0 or best.max_draft <= 0:
-            return False
+            return math.inf
         c0 = self.cost.predict(batch, 1.0, tree=False)
         lam = batch / c0  # the all-off plan's tokens per second
         # vLLM's verification of a draft, at least (none under a tree)
@@ -493,15 +515,22 @@ class Planner:
         if not best.sampled:
             g_first, g_next = self.verify_seen(batch, False)
             first, nxt = min(first, g_first), min(nxt, g_next)
+        least = math.inf
 
-        def pays(gain: float, query: int, tree: bool, extra: float = 0.0) -> bool:
+        def weigh(gain: float, query: int, tree: bool, extra: float = 0.0) -> None:
+            nonlocal least
             sec = self.cost.predict(batch, (batch - 1 + query) / batch, tree=tree, drafting=1)
-            return max(weight, 0.0) * gain > lam * (sec + extra - c0) + 1e-12
+            cost = lam * (sec + extra - c0) + 1e-12  # pays where weight * gain > cost
+            if gain > 0:
+                least = min(least, cost / gain)
+            elif cost < 0:
+                least = -math.inf
 
         for k in draft_lengths(best.max_draft):
-            if pays(geometric_gain(best.p_unchecked, k), 1 + k, False, first + nxt * (k - 1)):
-                return True
-        return any(pays(gain, 1 + nodes, True) for gain, nodes in best.trees.values())
+            weigh(geometric_gain(best.p_unchecked, k), 1 + k, False, first + nxt * (k - 1))
+        for gain, nodes in best.trees.values():
+            weigh(gain, 1 + nodes, True)
+        return least
 
     def plan(self, views: list[RequestView], max_tree_tokens: int = 0,
              others: int = 0, explore: bool = False) -> list[Shape]:

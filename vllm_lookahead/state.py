@@ -173,6 +173,12 @@ class RequestState:
     #: Its parent request when it is one of n samples (``sibling_group``),
     #: else None.
     group: str | None = None
+    #: Its own bound for quiet steps (``planner.BestCase``, taken at the
+    #: last full step; None: none yet) and, by batch size, the least weight
+    #: at which a draft of it could pay (``Planner.pay_weight``;
+    #: ``step.QuietBatches``).
+    quiet_best: object = None
+    quiet_pays: dict = field(default_factory=dict)
     #: Number of the request's tokens whose n-grams are in the pool
     #: (0 when the prompt pool is off).
     pooled_upto: int = 0

@@ -55,6 +55,8 @@ class LookaheadStats:
         steps_quiet: steps where no request's draft could pay at that batch
             size (:meth:`~vllm_lookahead.planner.Planner.any_pays`), so the
             per-request work (lookups, pool updates, planning) was skipped.
+        requests_quiet: request-steps left out so, in quiet steps or by the
+            request's own bound (``step.QuietBatches``).
         planned_gain, planned_gain_seen: over the unchecked drafts the
             planner chose, the draft tokens it expected the verifier to
             accept (from the request's acceptance estimate) and those it
@@ -97,6 +99,7 @@ class LookaheadStats:
     steps_window_off: int = 0
     steps_off: int = 0
     steps_quiet: int = 0
+    requests_quiet: int = 0
     sibling_steps: int = 0
     sibling_ahead_steps: int = 0
     planned_gain: float = 0.0

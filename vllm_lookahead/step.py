@@ -124,8 +124,7 @@ class StepDrafter:
             live = []
         everyone = live
         by_row, planned_rows = self._weights(everyone, num_decoding)
-        live = self.quiet.keep(live, spec_k, joined, self.planner, self.trees,
-                               weight=max(by_row.values()) if by_row else 1.0)
+        live = self.quiet.keep(live, spec_k, joined, self.planner, self.trees, weights=by_row)
         if self.cfg.prompt_pool:
             for r in live:
                 r.state.add_context_ngrams(token_ids[r.i], r.state.settings.ngram_size, r.n_tok)
@@ -362,20 +361,22 @@ def catch_up_draft_len(state, room: int) -> int:
 class QuietBatches:
     """Which requests need a step's per-request work.
 
-    Where the planner would plan every request off whatever its lookup
-    found (the bound of :meth:`Planner.any_pays` over the batch's
-    acceptance estimates, taken at the last full step), the requests are
-    left out: no lookup, no pool update (caught up later), no planning, no
-    relaxing of their tree estimates. Seeded requests (their drafts depend
-    on their text alone) and requests whose acceptance has been checked on
-    fewer than :attr:`MATURE` lookups are never left out; the planner plans
-    them with the others counted as off. The full path runs every
+    Where the planner would plan a request off whatever its lookup found
+    (the bound of :meth:`Planner.any_pays`, over the request's acceptance
+    estimates taken at the last full step and the engine's prior, with the
+    others off), the request is left out: no lookup, no pool update (caught
+    up later), no planning, no relaxing of its tree estimates. Where that
+    holds for the bound over the whole batch (the step is quiet), every such
+    request is left out. Seeded requests (their drafts depend on their text
+    alone) and requests whose acceptance has been checked on fewer than
+    :attr:`MATURE` lookups are never left out; the planner plans the others
+    with those left out counted as off. The full path runs every
     :attr:`REFRESH` steps, when a request joins or matures, and after a
-    tree, which keeps the estimates and the bound current.
+    tree, which keeps the estimates and the bounds current.
     """
 
-    #: Steps between two full planning steps of a quiet batch (one whose
-    #: drafts cannot pay at its size): those keep the acceptance learnt.
+    #: Steps between two full planning steps (those keep the acceptance
+    #: learnt and the bounds current).
     REFRESH = 16
     #: Lookups a request's acceptance must have been checked on before it
     #: may be left out (until then it is planned every step: a new request
@@ -386,50 +387,82 @@ class QuietBatches:
         self.stats = stats
         self.prior = prior
         #: The bound of the batch's requests (taken at the last full step),
-        #: steps since, and (batch size, weight, whether any draft could
-        #: pay) for the bound.
+        #: steps since, and by batch size the least weight at which a draft
+        #: could pay for the bound (``Planner.pay_weight``).
         self._best: BestCase | None = None
         self._since_full = 0
-        self._pays: tuple[int, float, bool] | None = None
+        self._pays: dict[int, float] = {}
 
     def keep(self, live: list[Live], spec_k: int, joined: bool, planner,
-             trees: bool = True, weight: float = 1.0) -> list[Live]:
+             trees: bool = True, weights: dict | None = None) -> list[Live]:
         """The requests of ``live`` that need this step's work (all of them
-        without a ``planner``); ``weight``: the most a token any of them
-        gains is worth (``RequestView.weight``)."""
+        without a ``planner``); ``weights``: by batch row, what a token each
+        gains is worth (``RequestView.weight``; None: 1 each)."""
         if planner is None or not live:
             return live
         self._since_full += 1
         mature = self.MATURE
         if (joined or self._best is None or self._since_full >= self.REFRESH
-                or any(r.chain or (r.state.acc.seen >= mature and not r.state.acc.bounded)
-                       for r in live)):
+                or any(r.chain for r in live)):
             self._since_full = 0
             free = [r for r in live if not r.state.seeded]
-            self._best = BestCase.of([_bound_view(r, spec_k, trees) for r in free], self.prior,
-                                     sampled=all(r.state.sampled for r in free)) \
-                if free else None
             for r in free:
-                r.state.acc.bounded = r.state.acc.seen >= mature
-            self._pays = None
+                self._bound(r, spec_k, trees)
+            self._best = None
+            for r in free:
+                best = r.state.quiet_best
+                self._best = best if self._best is None else self._best.join(best)
+            self._pays = {}
             return live
+        # a request that matured since: its own bound joins the batch's
+        for r in live:
+            st = r.state
+            if not st.seeded and st.acc.seen >= mature and not st.acc.bounded:
+                self._best = self._best.join(self._bound(r, spec_k, trees))
+                self._pays = {}
         b = len(live)
-        w = round(weight, 1)
-        if self._pays is None or self._pays[:2] != (b, w):
-            self._pays = (b, w, planner.any_pays(b, self._best, w))
-        if self._pays[2]:
-            return live
-        self.stats.steps_quiet += 1
+        least = self._pays.get(b)
+        if least is None:
+            least = self._pays[b] = planner.pay_weight(b, self._best)
+        quiet = not max(max(weights.values()) if weights else 1.0, 0.0) > least
         keep = []
         for r in live:
-            if r.state.seeded or r.state.acc.seen < mature:
+            st = r.state
+            if st.seeded or st.acc.seen < mature or (not quiet and not self._quiet(
+                    r, b, planner, weights)):
                 keep.append(r)
                 continue
-            r.state.draft_sources, r.state.lookup = [], []
+            st.draft_sources, st.lookup = [], []
         n_off = len(live) - len(keep)
+        if quiet:
+            self.stats.steps_quiet += 1
+        self.stats.requests_quiet += n_off
         self.stats.arm_steps["off"] += n_off
         self.stats.shape_steps["off"] = self.stats.shape_steps.get("off", 0) + n_off
         return keep
+
+    def _bound(self, r: Live, spec_k: int, trees: bool) -> BestCase:
+        """Take request ``r``'s own bound (its drafts verified as its kind)."""
+        st = r.state
+        st.acc.bounded = st.acc.seen >= self.MATURE
+        st.quiet_best = BestCase.of([_bound_view(r, spec_k, trees)], self.prior,
+                                    sampled=st.sampled)
+        st.quiet_pays = {}
+        return st.quiet_best
+
+    @staticmethod
+    def _quiet(r: Live, batch: int, planner, weights: dict | None) -> bool:
+        """Whether request ``r``'s own bound (taken at the last full step)
+        says no draft or tree of it could pay with the others off
+        (:meth:`Planner.any_pays`, its least paying weight cached by batch
+        size)."""
+        st = r.state
+        if st.quiet_best is None:
+            return False
+        least = st.quiet_pays.get(batch)
+        if least is None:
+            least = st.quiet_pays[batch] = planner.pay_weight(batch, st.quiet_best)
+        return not max(weights[r.i] if weights else 1.0, 0.0) > least
 
 
 def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
