@@ -214,7 +214,7 @@ class RequestAcceptance:
         #: Trees this request ran, and steps since its last one.
         self.tree_runs = 0
         self.since_tree = 0
-        #: Whether a quiet-batch bound was taken with these estimates
+        #: Whether a quiet bound was taken with these estimates
         #: mature (``step.QuietBatches``).
         self.bounded = False
 

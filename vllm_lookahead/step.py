@@ -46,8 +46,8 @@ measured at start-up (:mod:`.warmup`, corrected from the steps seen) and the
 request's measured acceptance (:mod:`.acceptance`). Seeded sampled requests
 are planned from their text alone. ``max_tree_tokens`` caps the tree tokens
 of a step; with ``disable_batch_size`` requests decoding or more, a step
-runs with no tree and no draft; a quiet batch (:class:`QuietBatches`) skips
-the per-request work.
+runs with no tree and no draft; a request whose drafts cannot pay
+(:class:`QuietBatches`) skips its per-request work.
 """
 
 from __future__ import annotations
@@ -371,8 +371,9 @@ class QuietBatches:
     alone) and requests whose acceptance has been checked on fewer than
     :attr:`MATURE` lookups are never left out; the planner plans the others
     with those left out counted as off. The full path runs every
-    :attr:`REFRESH` steps, when a request joins or matures, and after a
-    tree, which keeps the estimates and the bounds current.
+    :attr:`REFRESH` steps, when a request joins and after a tree, which
+    keeps the estimates and the bounds current; a request that matures in
+    between takes its bound then, and it joins the batch's.
     """
 
     #: Steps between two full planning steps (those keep the acceptance
