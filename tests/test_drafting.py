@@ -463,25 +463,34 @@ def test_quiet_batch_skips_mature_requests_and_keeps_young_ones():
     assert stats.shape_steps["off"] == 4
 
 
+def _planned_step(p_unchecked: float, per_token: float, rows: int, **cfg):
+    """A fused N=3, W=2, G=2 drafter with a planner on a flat curve (an
+    extra query token costs ``per_token`` of a step), a prior that has seen
+    no tree, and ``rows`` rows of a repeating text (tokens [rows, 64])."""
+    from vllm_lookahead.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner import Planner
+
+    stats = LookaheadStats()
+    prior = AcceptancePrior(max_cands=2, p_unchecked=p_unchecked, tree_cands=[0.0, 0.0],
+                            tree_window=0.0)
+    step = StepDrafter(LookaheadConfig(ngram_size=3, window_size=2, guess_set_size=2,
+                                       mode="fused", **cfg), True, 1000, stats, prior)
+    step.planner = Planner(CostModel(CostCurve.flat(0.05, per_token)))
+    text = [4, 5, 6, 9, 4, 5, 6, 9, 4, 5]
+    tokens = np.zeros((rows, 64), dtype=np.int32)
+    tokens[:, : len(text)] = text
+    return step, stats, prior, text, tokens
+
+
 def test_a_request_whose_own_bound_cannot_pay_is_left_out():
     """A step where one request's drafts may pay is not quiet, but a mature
     request whose own acceptance (and the engine's prior) could not pay for
     any draft or tree, with the others off, is left out of it
     (``requests_quiet``); the one that may pay is looked up and drafts."""
     from vllm_lookahead.acceptance import LOOKUP_KINDS
-    from vllm_lookahead.cost_model import CostCurve, CostModel
-    from vllm_lookahead.planner import Planner
     from vllm_lookahead.step import QuietBatches
 
-    cfg = LookaheadConfig(ngram_size=3, window_size=2, guess_set_size=2, mode="fused")
-    stats = LookaheadStats()
-    prior = AcceptancePrior(max_cands=2, p_unchecked=0.1, tree_cands=[0.0, 0.0],
-                            tree_window=0.0)
-    step = StepDrafter(cfg, True, 1000, stats, prior)
-    step.planner = Planner(CostModel(CostCurve.flat(0.05, 0.3)))
-    text = [4, 5, 6, 9, 4, 5, 6, 9, 4, 5]
-    tokens = np.zeros((2, 64), dtype=np.int32)
-    tokens[:, : len(text)] = text
+    step, stats, prior, text, tokens = _planned_step(0.1, 0.3, rows=2)
     strong, weak = (new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
                               tokens[i], len(text), len(text), None, False, 0, prior)
                     for i in range(2))
@@ -575,26 +584,15 @@ def test_samples_of_one_parent_are_planned_by_who_ends_last():
     a batch slot (``sibling_ahead_steps``): where a draft token
     costs little but a request's slot too, the sample ahead is left off and
     the others draft their lookups."""
-    from vllm_lookahead.cost_model import CostCurve, CostModel
-    from vllm_lookahead.planner import Planner
     from vllm_lookahead.state import sibling_group
 
     assert sibling_group("3_cmpl-abc_1") == "cmpl-abc_1"
     assert sibling_group("cmpl-abc") is None and sibling_group("x_1") is None
     assert sibling_group("12_") is None
 
-    cfg = LookaheadConfig(ngram_size=3, window_size=2, guess_set_size=2, mode="fused",
-                         parent_latency=True)
-    stats = LookaheadStats()
-    prior = AcceptancePrior(max_cands=2, p_unchecked=0.9, tree_cands=[0.0, 0.0],
-                            tree_window=0.0)
-    step = StepDrafter(cfg, True, 1000, stats, prior)
-    step.planner = Planner(CostModel(CostCurve.flat(0.05, 0.001)))
-    text = [4, 5, 6, 9, 4, 5, 6, 9, 4, 5]
-    tokens = np.zeros((3, 64), dtype=np.int32)
+    step, stats, prior, text, tokens = _planned_step(0.9, 0.001, rows=3, parent_latency=True)
     live = []
     for i, generated in enumerate((1, 9, 2)):
-        tokens[i, : len(text)] = text
         s = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
                       tokens[i], len(text), len(text) - generated, 16, False, 0, prior)
         s.group = "p" if i < 2 else None
