@@ -228,11 +228,7 @@ class RequestAcceptance:
         """Expected confirmed tokens of a tree with ``g`` candidates and
         ``window`` of the W window columns (0: off; True: all). Each
         confirmed token is drafted, checked, in the next step."""
-        if g <= 0:
-            base = 0.0
-        else:
-            base = self.tree_cands[min(g, len(self.tree_cands)) - 1]
-        return base + window_gain(self.tree_window, window)
+        return self.tree_gains(((g, window_root(window)),))[0]
 
     def tree_gains(self, shapes) -> list[float]:
         """:meth:`tree_gain` of each of ``shapes``, ``(g, root)`` pairs

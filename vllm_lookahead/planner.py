@@ -367,7 +367,6 @@ class Planner:
         catch_up = (1.0 - 1.0 / max(self.horizon, 1.0)) if self.fused and v.chain <= 0 else None
         table, roots = _tree_table(n, v.window_size, v.guess_set_size)
         cap, room, verify = n - 1, v.room, v.verify
-        verify_s = {}  # by draft length
         for (w, g, nodes), m in zip(table, acc.tree_gains(roots)):
             if m > cap:
                 m = cap
@@ -379,10 +378,8 @@ class Planner:
             gain = m * checked
             if catch_up is not None:
                 gain *= catch_up
-            extra = verify_s.get(d)
-            if extra is None:
-                extra = verify_s[d] = extra_1 + verify_seconds(verify, d)
-            out.append(_shape(("tree", d, w, g, nodes, 1 + gain, extra)))
+            out.append(_shape(("tree", d, w, g, nodes, 1 + gain,
+                               extra_1 + verify_seconds(verify, d))))
         return out
 
     #: What a seeded request's draft costs beyond the forward's rows, in

@@ -52,6 +52,8 @@ runs with no tree and no draft; a request whose drafts cannot pay
 
 from __future__ import annotations
 
+from functools import reduce
+
 import numpy as np
 
 from vllm_lookahead.drafting import Live, candidates, lookup, read_tree, unchecked_draft
@@ -406,13 +408,8 @@ class QuietBatches:
         if (joined or self._best is None or self._since_full >= self.REFRESH
                 or any(r.chain for r in live)):
             self._since_full = 0
-            free = [r for r in live if not r.state.seeded]
-            for r in free:
-                self._bound(r, spec_k, trees)
-            self._best = None
-            for r in free:
-                best = r.state.quiet_best
-                self._best = best if self._best is None else self._best.join(best)
+            bounds = [self._bound(r, spec_k, trees) for r in live if not r.state.seeded]
+            self._best = reduce(BestCase.join, bounds) if bounds else None
             self._pays = {}
             return live
         # a request that matured since: its own bound joins the batch's
@@ -422,15 +419,15 @@ class QuietBatches:
                 self._best = self._best.join(self._bound(r, spec_k, trees))
                 self._pays = {}
         b = len(live)
-        least = self._pays.get(b)
-        if least is None:
-            least = self._pays[b] = planner.pay_weight(b, self._best)
-        quiet = not max(max(weights.values()) if weights else 1.0, 0.0) > least
+        quiet = not _pays(planner, self._pays, b, self._best,
+                          max(weights.values()) if weights else 1.0)
         keep = []
         for r in live:
             st = r.state
-            if st.seeded or st.acc.seen < mature or (not quiet and not self._quiet(
-                    r, b, planner, weights)):
+            if st.seeded or st.acc.seen < mature or (not quiet and (
+                    st.quiet_best is None
+                    or _pays(planner, st.quiet_pays, b, st.quiet_best,
+                             weights[r.i] if weights else 1.0))):
                 keep.append(r)
                 continue
             st.draft_sources, st.lookup = [], []
@@ -451,19 +448,15 @@ class QuietBatches:
         st.quiet_pays = {}
         return st.quiet_best
 
-    @staticmethod
-    def _quiet(r: Live, batch: int, planner, weights: dict | None) -> bool:
-        """Whether request ``r``'s own bound (taken at the last full step)
-        says no draft or tree of it could pay with the others off
-        (:meth:`Planner.any_pays`, its least paying weight cached by batch
-        size)."""
-        st = r.state
-        if st.quiet_best is None:
-            return False
-        least = st.quiet_pays.get(batch)
-        if least is None:
-            least = st.quiet_pays[batch] = planner.pay_weight(batch, st.quiet_best)
-        return not max(weights[r.i] if weights else 1.0, 0.0) > least
+
+def _pays(planner, cache: dict, batch: int, best: BestCase, weight: float) -> bool:
+    """:meth:`Planner.any_pays` for ``best`` at ``weight``, its least paying
+    weight (:meth:`Planner.pay_weight`) kept in ``cache`` by batch size
+    until the bound is taken again."""
+    least = cache.get(batch)
+    if least is None:
+        least = cache[batch] = planner.pay_weight(batch, best)
+    return max(weight, 0.0) > least
 
 
 def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
