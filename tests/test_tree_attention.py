@@ -104,6 +104,12 @@ def test_gather_roundtrip_vllm_cpu_writer(dtype, isa):
         # K's half transposed ([hd, bs]), then V's: read with strided views
         assert layout.name == "strided"
         assert layout.k_affine == (0, 1, bs) and layout.v_affine == (bs * hd, hd, 1)
+    else:
+        # AMX: K in 16-token tiles of dim pairs, V in 16-dim tiles of token
+        # pairs; read with strided views of the tile digits, not per index
+        assert layout.name == "tiled"
+        assert layout.k_view[1] == (bs // 16, 16, hd // 2, 2)
+        assert layout.v_view[1] == (bs // 2, 2, hd // 16, 16)
     g = torch.Generator().manual_seed(0)
     # garbage everywhere first, so a wrong block or offset cannot read zeros
     cache = torch.randn(nb, kvh, bs, 2 * hd, generator=g).to(dtype)
@@ -214,6 +220,50 @@ def test_probe_is_general_weird_layout(dtype):
     plain = probe_block_layout(bs, kvh, hd, dtype, _fake_plain_writer)
     pk, _ = gather_kv(cache, torch.tensor(blocks), length, plain)
     assert not torch.equal(pk, k.transpose(0, 1))
+
+
+def _fake_tiled_writer(k, v, cache, slots):
+    """K in 4-token tiles of dim pairs, V in 4-dim tiles of token pairs
+    (the shape of vLLM's AMX packing, on any CPU)."""
+    nb, kvh, bs, two_hd = cache.shape
+    hd = two_hd // 2
+    region = cache.view(nb, kvh, 2, bs * hd)
+    for i, s in enumerate(slots.tolist()):
+        b, t = divmod(s, bs)
+        for d in range(hd):
+            region[b, :, 0, (t // 4) * 4 * hd + (d // 2) * 8 + (t % 4) * 2 + d % 2] = k[i, :, d]
+            region[b, :, 1, (d // 4) * 4 * bs + (t // 2) * 8 + (d % 4) * 2 + t % 2] = v[i, :, d]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_layout_read_with_views(dtype):
+    """A layout affine in tile digits is found and read with strided views,
+    equal to reading it index by index."""
+    import dataclasses
+
+    bs, kvh, hd, nb = 16, 2, 8, 5
+    layout = probe_block_layout(bs, kvh, hd, dtype, _fake_tiled_writer)
+    assert layout.name == "tiled"
+    assert layout.k_affine is None and layout.v_affine is None
+    assert layout.k_view == (0, (4, 4, 4, 2), (4 * hd, 2, 8, 1))
+    assert layout.v_view == (bs * hd, (8, 2, 2, 4), (8, 1, 4 * bs, 2))
+    indexed = dataclasses.replace(layout, k_view=None, v_view=None)
+    assert indexed.name == "indexed"
+    g = torch.Generator().manual_seed(2)
+    cache = torch.randn(nb, kvh, bs, 2 * hd, generator=g).to(dtype)
+    length, blocks = 37, [3, 0, 4]
+    k = torch.randn(length, kvh, hd, generator=g).to(dtype)
+    v = torch.randn(length, kvh, hd, generator=g).to(dtype)
+    _fake_tiled_writer(k, v, cache, _slots(blocks, length, bs))
+    for lay in (layout, indexed):
+        gk, gv = gather_kv(cache, torch.tensor(blocks), length, lay)
+        assert torch.equal(gk, k.transpose(0, 1))
+        assert torch.equal(gv, v.transpose(0, 1))
+    # the plain strided layouts keep their views (a tiling of one)
+    plain = probe_block_layout(bs, kvh, hd, dtype, _fake_plain_writer)
+    for aff, view in ((plain.k_affine, plain.k_view), (plain.v_affine, plain.v_view)):
+        start, ts, ds = aff
+        assert view == (start, (bs, 1, hd, 1), (ts, 0, ds, 0))
 
 
 def _fake_plain_writer(k, v, cache, slots):

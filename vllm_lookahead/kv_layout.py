@@ -13,14 +13,19 @@ cell, ``[block_size, C]``, backends pack K and V differently:
   (``kv_cache.transpose(1, 2).split(D, -1)``);
 * vLLM's CPU backend: the cell as ``[2 * block_size, D]``, K's half
   first (its "vec" kernels keep it transposed, ``[D, block_size]``), then
-  V's; its ISA-specific kernels may permute further.
+  V's; its ISA-specific kernels permute further (the AMX kernels, bfloat16
+  on a CPU with AMX tiles: K in 16-token tiles of dim pairs, V in 16-dim
+  tiles of token pairs).
 
 We never hard-code either: :func:`probe_page_layout` writes coded values
 with the backend's *own* cache writer (``impl.do_kv_cache_update``) into a
 scratch page laid out like the real cache, on the cache's device, and reads
 back where each ``K[t, d]`` / ``V[t, d]`` landed. A layout whose offsets are
-affine in ``(t, d)`` (both packings above) is then read with strided views;
-any other permutation with one index per element.
+affine in ``(t, d)`` (the first two packings), or in the digits of ``t``
+and ``d`` split once each into tiles (``t = t1 * a + t0``, ``d = d1 * b +
+d0``: the AMX packing), is then read with strided views; any other
+permutation with one index per element (on the AMX packing, bfloat16
+SmolLM2, two 128-token blocks: 1.5 ms a layer that way, 0.16 ms strided).
 
 Pure torch, no vLLM import; every tensor made here lives on the cache's
 device.
@@ -52,7 +57,11 @@ class PageLayout:
     logical order), holds ``K[t, d]`` at ``k_off[t * D + d]`` and ``V[t, d]``
     at ``v_off[t * D + d]``. ``k_affine`` / ``v_affine`` are
     ``(start, t_stride, d_stride)`` when the offsets are affine in ``(t,
-    d)``, else None.
+    d)``, else None. ``k_view`` / ``v_view`` are ``(start, sizes,
+    strides)`` when the offsets are affine in the tile digits ``(t1, t0,
+    d1, d0)`` of ``t = t1 * a + t0``, ``d = d1 * b + d0`` (``sizes =
+    (N / a, a, D / b, b)``; an affine layout is the case ``a = b = 1``),
+    else None.
     """
 
     block_size: int
@@ -63,18 +72,24 @@ class PageLayout:
     v_off: torch.Tensor
     k_affine: tuple[int, int, int] | None
     v_affine: tuple[int, int, int] | None
+    k_view: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
+    v_view: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def name(self) -> str:
         """``split`` (K and V side by side in C: the GPU backends),
         ``strided`` (other affine offsets, read with strided views: vLLM's
-        CPU backend keeps a block's K transposed, then its V), ``indexed``
-        (any other permutation: one index per element)."""
+        CPU backend keeps a block's K transposed, then its V), ``tiled``
+        (offsets affine in tile digits, read with strided views: vLLM's
+        CPU backend with AMX), ``indexed`` (any other permutation: one
+        index per element)."""
         d = self.head_size
         if self.k_affine == (0, self.content, 1) and self.v_affine == (d, self.content, 1):
             return "split"
         if self.k_affine is not None and self.v_affine is not None:
             return "strided"
+        if self.k_view is not None and self.v_view is not None:
+            return "tiled"
         return "indexed"
 
 
@@ -88,6 +103,35 @@ def _affine(off: torch.Tensor, bs: int, hd: int) -> tuple[int, int, int] | None:
     t = torch.arange(bs).view(bs, 1)
     d = torch.arange(hd).view(1, hd)
     return (start, ts, ds) if torch.equal(o, start + t * ts + d * ds) else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [x for x in range(1, n + 1) if n % x == 0]
+
+
+def _tiled(off: torch.Tensor, bs: int, hd: int
+           ) -> tuple[int, tuple[int, ...], tuple[int, ...]] | None:
+    """``(start, sizes, strides)`` of the first tiling ``t = t1 * a + t0``,
+    ``d = d1 * b + d0`` (``a`` | ``bs``, ``b`` | ``hd``, untiled first) in
+    whose digits the offsets are affine with strides >= 0; None if none."""
+    o = off.view(bs, hd).cpu()
+    start = int(o[0, 0])
+    t = torch.arange(bs).view(bs, 1)
+    d = torch.arange(hd).view(1, hd)
+    for a in _divisors(bs):
+        for b in _divisors(hd):
+            sizes = (bs // a, a, hd // b, b)
+            strides = (int(o[a, 0]) - start if bs // a > 1 else 0,
+                       int(o[1, 0]) - start if a > 1 else 0,
+                       int(o[0, b]) - start if hd // b > 1 else 0,
+                       int(o[0, 1]) - start if b > 1 else 0)
+            if min(strides) < 0:  # as_strided takes no negative strides
+                continue
+            expect = (start + (t // a) * strides[0] + (t % a) * strides[1]
+                      + (d // b) * strides[2] + (d % b) * strides[3])
+            if torch.equal(o, expect):
+                return start, sizes, strides
+    return None
 
 
 def scratch_like(cache: torch.Tensor, num_blocks: int = 1) -> torch.Tensor:
@@ -170,6 +214,7 @@ def probe_page_layout(cache: torch.Tensor, head_size: int, write_fn: WriteFn) ->
         block_size=bs, num_kv_heads=kvh, head_size=hd, content=c,
         k_off=k_off.to(dev), v_off=v_off.to(dev),
         k_affine=_affine(k_off, bs, hd), v_affine=_affine(v_off, bs, hd),
+        k_view=_tiled(k_off, bs, hd), v_view=_tiled(v_off, bs, hd),
     )
 
 
@@ -195,15 +240,17 @@ def gather_pages(
     pages = kv_cache.index_select(0, block_ids.view(-1))  # [R*nb, H, N, C], contiguous
     cell = bs * c
     flat = pages.view(r_n * nb, kvh, cell)
-    for off, aff, out in ((layout.k_off, layout.k_affine, out_k),
-                          (layout.v_off, layout.v_affine, out_v)):
-        if aff is not None:
-            start, ts, ds = aff
-            src = flat.as_strided((r_n, nb, kvh, bs, hd), (nb * kvh * cell, kvh * cell, cell, ts, ds),
+    for off, view, out in ((layout.k_off, layout.k_view, out_k),
+                           (layout.v_off, layout.v_view, out_v)):
+        if view is not None:
+            start, sizes, strides = view
+            src = flat.as_strided((r_n, nb, kvh, *sizes),
+                                  (nb * kvh * cell, kvh * cell, cell, *strides),
                                   flat.storage_offset() + start)
+            out.view(r_n, kvh, nb, *sizes).copy_(src.permute(0, 2, 1, 3, 4, 5, 6))
         else:
             src = flat.index_select(2, off).view(r_n, nb, kvh, bs, hd)
-        out.view(r_n, kvh, nb, bs, hd).copy_(src.permute(0, 2, 1, 3, 4))
+            out.view(r_n, kvh, nb, bs, hd).copy_(src.permute(0, 2, 1, 3, 4))
 
 
 def gather_sequence(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int,

@@ -41,6 +41,11 @@ logger = init_logger("vllm." + __name__)
 BUDGET_S = 6.0
 #: Cached tokens in front of the timed rows.
 CONTEXT = 256
+#: Revision of the tree step's code, in the cost cache's key: a change that
+#: moves what the measured steps cost bumps it, so a curve cached before it
+#: is measured again (2: the tiled read of vLLM's AMX cache, half the
+#: bfloat16 tree step on a CPU with AMX).
+STEP_REVISION = 2
 #: ``cost_model="off"``: relative cost of each extra query token.
 ASSUMED_PER_TOKEN = 0.1
 #: A timed run during which other processes kept more cores than this busy
@@ -280,5 +285,6 @@ def _key(runner) -> dict:
         tensor_parallel=pc.tensor_parallel_size, pipeline_parallel=pc.pipeline_parallel_size,
         vllm_version=getattr(vllm, "__version__", "unknown"), device=device,
         extra={"enforce_eager": bool(mc.enforce_eager), "context": CONTEXT,
+               "step_revision": STEP_REVISION,
                "max_num_seqs": cfg.scheduler_config.max_num_seqs},
     )
