@@ -18,7 +18,8 @@ engine step inside vLLM's model runner:
   ``sample_tokens``.
 
 Steps are grouped by batch size and by requests with a draft (0, 1, 2,
-3+); the table shows each group's medians. A fit of the step over the
+3+), a ``t`` marking lookahead steps with trees in their forward; the table
+shows each group's medians. A fit of the step over the
 most common batch size, ``step = a + r * drafting requests + t * draft
 tokens``, says what a draft adds. The methods run one after the other
 (``--rounds`` alternates their order), so the machine's drift is not
@@ -91,9 +92,10 @@ def spec_of(method: str) -> dict | None:
 
 
 def group_of(step: dict) -> tuple[int, str]:
-    """A step's group: (batch size, requests with a draft as 0, 1, 2, 3+)."""
+    """A step's group: (batch size, requests with a draft as 0, 1, 2, 3+,
+    then ``t`` for a step with lookahead trees in its forward)."""
     d = step["drafting"]
-    return step["batch"], str(d) if d < 3 else "3+"
+    return step["batch"], (str(d) if d < 3 else "3+") + ("t" if step.get("tree_tokens") else "")
 
 
 def summarize(steps: list[dict]) -> dict:
@@ -101,8 +103,9 @@ def summarize(steps: list[dict]) -> dict:
     median milliseconds of each part; ``fit``: at the most common batch
     size, ``[a, r, t]`` ms of ``step = a + r * drafting requests + t *
     draft tokens``, least squares over the median step of each (drafting
-    requests, draft tokens) seen, weighted by its steps (a few stalled
-    steps do not move it; None with under 8 steps or no draft)."""
+    requests, draft tokens) seen among the steps without trees, weighted by
+    its steps (a few stalled steps do not move it; None with under 8 steps
+    or no draft)."""
     import numpy as np
 
     groups: dict[tuple, list[dict]] = {}
@@ -119,7 +122,7 @@ def summarize(steps: list[dict]) -> dict:
     if steps:
         sizes = [s["batch"] for s in steps]
         top = max(set(sizes), key=sizes.count)
-        at = [s for s in steps if s["batch"] == top]
+        at = [s for s in steps if s["batch"] == top and not s.get("tree_tokens")]
         cells: dict[tuple, list[float]] = {}
         for s in at:
             cells.setdefault((s["drafting"], s["draft_tokens"]), []).append(s["step"])
@@ -162,7 +165,9 @@ def _child(args) -> None:
     def execute_model(self, so, *a, **k):
         cur.clear()
         drafts = [v for v in so.scheduled_spec_decode_tokens.values() if v]
-        cur.update(t0=time.perf_counter(), batch=len(so.num_scheduled_tokens),
+        stats = getattr(getattr(self, "drafter", None), "stats", None)
+        cur.update(t0=time.perf_counter(), batch=len(so.num_scheduled_tokens), stats=stats,
+                   trees0=getattr(stats, "lookahead_query_tokens", 0),
                    drafting=len(drafts), draft_tokens=sum(len(v) for v in drafts))
         return execute(self, so, *a, **k)
 
@@ -177,7 +182,9 @@ def _child(args) -> None:
                 row["proposer+"] = max(t1 - t0 - row["sampler"], 0.0)
                 row["step"] = t1 - cur["t0"]
                 row.update(batch=cur["batch"], drafting=cur["drafting"],
-                           draft_tokens=cur["draft_tokens"])
+                           draft_tokens=cur["draft_tokens"],
+                           tree_tokens=getattr(cur["stats"], "lookahead_query_tokens", 0)
+                           - cur["trees0"])
                 steps.append(row)
             cur.clear()
 

@@ -870,6 +870,11 @@ def test_step_breakdown_groups_and_fits_what_a_draft_adds():
     # no draft at all: nothing to fit
     assert sb.summarize(_steps(4, 0, 0, 30.0, 20))["fit"] is None
     assert sb.summarize([]) == {"groups": {}, "fit": None}
+    # steps with lookahead trees are a group of their own, out of the fit
+    trees = [dict(s, tree_tokens=13) for s in _steps(4, 1, 2, 90.0, 5)]
+    got = sb.summarize(steps + trees)
+    assert got["groups"]["4/1t"]["steps"] == 5 and got["groups"]["4/1"]["steps"] == 12
+    assert got["fit"]["steps"] == 38 and got["fit"]["ms"] == pytest.approx([30.0, 5.0, 1.0], abs=1e-6)
 
 
 def test_step_breakdown_methods():
