@@ -149,16 +149,26 @@ def test_gather_empty():
 # -- fake backends with other layouts ---------------------------------------
 
 
-def _fake_weird_writer(k, v, cache, slots):
-    """K stored transposed ([hd, bs] per block/head), V in reversed order."""
-    nb, kvh, bs, two_hd = cache.shape
-    hd = two_hd // 2
-    region = cache.view(nb, kvh, 2, bs * hd)
-    for i, s in enumerate(slots.tolist()):
-        b, t = divmod(s, bs)
-        for d in range(hd):
-            region[b, :, 0, d * bs + t] = k[i, :, d]
-            region[b, :, 1, bs * hd - 1 - (t * hd + d)] = v[i, :, d]
+def _offset_writer(k_at, v_at):
+    """A fake backend's cache writer: ``K[t, d]`` of head ``h`` in a block
+    at ``k_at(t, d, h, bs, hd)`` of its cell's K half, ``V[t, d]`` at
+    ``v_at(...)`` of its V half."""
+    def write(k, v, cache, slots):
+        nb, kvh, bs, two_hd = cache.shape
+        hd = two_hd // 2
+        region = cache.view(nb, kvh, 2, bs * hd)
+        for i, s in enumerate(slots.tolist()):
+            b, t = divmod(s, bs)
+            for h in range(kvh):
+                for d in range(hd):
+                    region[b, h, 0, k_at(t, d, h, bs, hd)] = k[i, h, d]
+                    region[b, h, 1, v_at(t, d, h, bs, hd)] = v[i, h, d]
+    return write
+
+
+# K stored transposed ([hd, bs] per block/head), V in reversed order
+_fake_weird_writer = _offset_writer(lambda t, d, h, bs, hd: d * bs + t,
+                                    lambda t, d, h, bs, hd: bs * hd - 1 - (t * hd + d))
 
 
 def _fake_head_mixing_writer(k, v, cache, slots):
@@ -171,18 +181,10 @@ def _fake_head_mixing_writer(k, v, cache, slots):
         vc[b, :, t] = v[i].roll(1, dims=0)
 
 
-def _fake_per_head_layout_writer(k, v, cache, slots):
-    """Head 0 plain, head 1 with K transposed: the layout differs per head."""
-    nb, kvh, bs, two_hd = cache.shape
-    hd = two_hd // 2
-    region = cache.view(nb, kvh, 2, bs * hd)
-    for i, s in enumerate(slots.tolist()):
-        b, t = divmod(s, bs)
-        for h in range(kvh):
-            for d in range(hd):
-                ko = d * bs + t if h == 1 else t * hd + d
-                region[b, h, 0, ko] = k[i, h, d]
-                region[b, h, 1, t * hd + d] = v[i, h, d]
+# head 0 plain, head 1 with K transposed: the layout differs per head
+_fake_per_head_layout_writer = _offset_writer(
+    lambda t, d, h, bs, hd: d * bs + t if h == 1 else t * hd + d,
+    lambda t, d, h, bs, hd: t * hd + d)
 
 
 def _fake_lossy_writer(k, v, cache, slots):
@@ -193,6 +195,19 @@ def _fake_lossy_writer(k, v, cache, slots):
         b, t = divmod(s, bs)
         kc[b, :, t - t % 2] = k[i]
         vc[b, :, t - t % 2] = v[i]
+
+
+def _written(writer, shape, dtype, length, blocks, seed):
+    """A random ``[nb, kvh, bs, 2 hd]`` cache (garbage everywhere) with
+    random K and V of ``length`` tokens written into ``blocks`` by
+    ``writer``: ``(cache, k, v)``."""
+    nb, kvh, bs, hd = shape
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(nb, kvh, bs, 2 * hd, generator=g).to(dtype)
+    k = torch.randn(length, kvh, hd, generator=g).to(dtype)
+    v = torch.randn(length, kvh, hd, generator=g).to(dtype)
+    writer(k, v, cache, _slots(blocks, length, bs))
+    return cache, k, v
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -207,12 +222,8 @@ def test_probe_is_general_weird_layout(dtype):
     assert layout.k_off[t * hd + d] == d * bs + t
     assert layout.k_affine == (0, 1, bs)
     assert layout.v_off[t * hd + d] == 2 * bs * hd - 1 - (t * hd + d)
-    g = torch.Generator().manual_seed(1)
-    cache = torch.randn(nb, kvh, bs, 2 * hd, generator=g).to(dtype)
     length, blocks = 40, [4, 0, 2]
-    k = torch.randn(length, kvh, hd, generator=g).to(dtype)
-    v = torch.randn(length, kvh, hd, generator=g).to(dtype)
-    _fake_weird_writer(k, v, cache, _slots(blocks, length, bs))
+    cache, k, v = _written(_fake_weird_writer, (nb, kvh, bs, hd), dtype, length, blocks, seed=1)
     gk, gv = gather_kv(cache, torch.tensor(blocks), length, layout)
     assert torch.equal(gk, k.transpose(0, 1))
     assert torch.equal(gv, v.transpose(0, 1))
@@ -222,17 +233,11 @@ def test_probe_is_general_weird_layout(dtype):
     assert not torch.equal(pk, k.transpose(0, 1))
 
 
-def _fake_tiled_writer(k, v, cache, slots):
-    """K in 4-token tiles of dim pairs, V in 4-dim tiles of token pairs
-    (the shape of vLLM's AMX packing, on any CPU)."""
-    nb, kvh, bs, two_hd = cache.shape
-    hd = two_hd // 2
-    region = cache.view(nb, kvh, 2, bs * hd)
-    for i, s in enumerate(slots.tolist()):
-        b, t = divmod(s, bs)
-        for d in range(hd):
-            region[b, :, 0, (t // 4) * 4 * hd + (d // 2) * 8 + (t % 4) * 2 + d % 2] = k[i, :, d]
-            region[b, :, 1, (d // 4) * 4 * bs + (t // 2) * 8 + (d % 4) * 2 + t % 2] = v[i, :, d]
+# K in 4-token tiles of dim pairs, V in 4-dim tiles of token pairs (the
+# shape of vLLM's AMX packing, on any CPU)
+_fake_tiled_writer = _offset_writer(
+    lambda t, d, h, bs, hd: (t // 4) * 4 * hd + (d // 2) * 8 + (t % 4) * 2 + d % 2,
+    lambda t, d, h, bs, hd: (d // 4) * 4 * bs + (t // 2) * 8 + (d % 4) * 2 + t % 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -249,12 +254,8 @@ def test_tiled_layout_read_with_views(dtype):
     assert layout.v_view == (bs * hd, (8, 2, 2, 4), (8, 1, 4 * bs, 2))
     indexed = dataclasses.replace(layout, k_view=None, v_view=None)
     assert indexed.name == "indexed"
-    g = torch.Generator().manual_seed(2)
-    cache = torch.randn(nb, kvh, bs, 2 * hd, generator=g).to(dtype)
     length, blocks = 37, [3, 0, 4]
-    k = torch.randn(length, kvh, hd, generator=g).to(dtype)
-    v = torch.randn(length, kvh, hd, generator=g).to(dtype)
-    _fake_tiled_writer(k, v, cache, _slots(blocks, length, bs))
+    cache, k, v = _written(_fake_tiled_writer, (nb, kvh, bs, hd), dtype, length, blocks, seed=2)
     for lay in (layout, indexed):
         gk, gv = gather_kv(cache, torch.tensor(blocks), length, lay)
         assert torch.equal(gk, k.transpose(0, 1))
