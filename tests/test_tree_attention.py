@@ -260,11 +260,11 @@ def test_tiled_layout_read_with_views(dtype):
         gk, gv = gather_kv(cache, torch.tensor(blocks), length, lay)
         assert torch.equal(gk, k.transpose(0, 1))
         assert torch.equal(gv, v.transpose(0, 1))
-    # the plain strided layouts keep their views (a tiling of one)
+    # a plain layout is the tiling of one, and affine in (t, d)
     plain = probe_block_layout(bs, kvh, hd, dtype, _fake_plain_writer)
-    for aff, view in ((plain.k_affine, plain.k_view), (plain.v_affine, plain.v_view)):
-        start, ts, ds = aff
-        assert view == (start, (bs, 1, hd, 1), (ts, 0, ds, 0))
+    assert plain.k_view == (0, (bs, 1, hd, 1), (hd, 0, 1, 0))
+    assert plain.v_view == (bs * hd, (bs, 1, hd, 1), (hd, 0, 1, 0))
+    assert plain.k_affine == (0, hd, 1) and plain.v_affine == (bs * hd, hd, 1)
 
 
 def _fake_plain_writer(k, v, cache, slots):

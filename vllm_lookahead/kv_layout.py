@@ -55,13 +55,13 @@ class PageLayout:
 
     The cell, ``[block_size, C]`` viewed flat (``block_size * C`` elements,
     logical order), holds ``K[t, d]`` at ``k_off[t * D + d]`` and ``V[t, d]``
-    at ``v_off[t * D + d]``. ``k_affine`` / ``v_affine`` are
-    ``(start, t_stride, d_stride)`` when the offsets are affine in ``(t,
-    d)``, else None. ``k_view`` / ``v_view`` are ``(start, sizes,
+    at ``v_off[t * D + d]``. ``k_view`` / ``v_view`` are ``(start, sizes,
     strides)`` when the offsets are affine in the tile digits ``(t1, t0,
     d1, d0)`` of ``t = t1 * a + t0``, ``d = d1 * b + d0`` (``sizes =
-    (N / a, a, D / b, b)``; an affine layout is the case ``a = b = 1``),
-    else None.
+    (N / a, a, D / b, b)``, the least tiling found first), else None;
+    ``k_affine`` / ``v_affine`` (derived) are ``(start, t_stride,
+    d_stride)`` when that tiling is ``a = b = 1``, offsets affine in ``(t,
+    d)``, else None.
     """
 
     block_size: int
@@ -70,10 +70,16 @@ class PageLayout:
     content: int  # C, elements per (head, token) cell row
     k_off: torch.Tensor  # int64 [block_size * head_size], on the cache's device
     v_off: torch.Tensor
-    k_affine: tuple[int, int, int] | None
-    v_affine: tuple[int, int, int] | None
-    k_view: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
-    v_view: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
+    k_view: tuple[int, tuple[int, ...], tuple[int, ...]] | None
+    v_view: tuple[int, tuple[int, ...], tuple[int, ...]] | None
+
+    @property
+    def k_affine(self) -> tuple[int, int, int] | None:
+        return _untiled(self.k_view)
+
+    @property
+    def v_affine(self) -> tuple[int, int, int] | None:
+        return _untiled(self.v_view)
 
     @property
     def name(self) -> str:
@@ -93,16 +99,13 @@ class PageLayout:
         return "indexed"
 
 
-def _affine(off: torch.Tensor, bs: int, hd: int) -> tuple[int, int, int] | None:
-    o = off.view(bs, hd)
-    start = int(o[0, 0])
-    ts = int(o[1, 0] - o[0, 0]) if bs > 1 else 0
-    ds = int(o[0, 1] - o[0, 0]) if hd > 1 else 0
-    if ts < 0 or ds < 0:  # as_strided takes no negative strides
+def _untiled(view) -> tuple[int, int, int] | None:
+    """``(start, t_stride, d_stride)`` of a view whose tiling is ``a = b =
+    1`` (offsets affine in ``(t, d)``), else None."""
+    if view is None:
         return None
-    t = torch.arange(bs).view(bs, 1)
-    d = torch.arange(hd).view(1, hd)
-    return (start, ts, ds) if torch.equal(o, start + t * ts + d * ds) else None
+    start, sizes, strides = view
+    return (start, strides[0], strides[2]) if sizes[1] == sizes[3] == 1 else None
 
 
 def _divisors(n: int) -> list[int]:
@@ -213,7 +216,6 @@ def probe_page_layout(cache: torch.Tensor, head_size: int, write_fn: WriteFn) ->
     return PageLayout(
         block_size=bs, num_kv_heads=kvh, head_size=hd, content=c,
         k_off=k_off.to(dev), v_off=v_off.to(dev),
-        k_affine=_affine(k_off, bs, hd), v_affine=_affine(v_off, bs, hd),
         k_view=_tiled(k_off, bs, hd), v_view=_tiled(v_off, bs, hd),
     )
 
