@@ -328,6 +328,34 @@ def test_turns_are_round_robin_and_skip_dead_processes(tmp_path):
     assert order == [0, 1, 3, 0, 3, 0, 3]
 
 
+def test_a_turn_waits_for_the_previous_engines_spin(tmp_path, monkeypatch):
+    """A turn handed on by another process starts timing settle_s after it
+    was passed (that engine's OpenMP threads still spin); one a process
+    passes to itself (the others done) does not wait."""
+    monkeypatch.setenv("KMP_BLOCKTIME", "100")
+    assert child.Turns.settle_s() == pytest.approx(0.15)
+    monkeypatch.setenv("KMP_BLOCKTIME", "infinite")
+    assert child.Turns.settle_s() == pytest.approx(0.25)
+    monkeypatch.setenv("KMP_BLOCKTIME", "100")
+    (tmp_path / "turn").write_text("0")
+    a = child.Turns({"dir": str(tmp_path), "index": 0, "count": 2})
+    b = child.Turns({"dir": str(tmp_path), "index": 1, "count": 2})
+    a.ready(), b.ready()
+    a.acquire()
+    a.release()
+    t0 = time.monotonic()
+    b.acquire()
+    assert time.monotonic() - t0 >= 0.14
+    b.finish()
+    t0 = time.monotonic()
+    a.acquire()  # passed on by 1 as it finished: still 1's spin
+    assert time.monotonic() - t0 >= 0.14
+    a.release()  # 1 is done: the turn comes back to 0 itself
+    t0 = time.monotonic()
+    a.acquire()
+    assert time.monotonic() - t0 < 0.1
+
+
 def test_engines_start_one_at_a_time(tmp_path):
     """Lookahead measures its step cost as its engine starts: no other
     engine of the group may load or warm up meanwhile."""
