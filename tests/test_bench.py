@@ -919,3 +919,48 @@ def test_step_breakdown_methods():
         sb.spec_of('{"ngram_size": 4}')
     with pytest.raises(SystemExit, match="lookahed"):
         sb.spec_of("lookahed")
+
+
+# --------------------------------------------------------------------------
+# replay_drafts.py (no engine: the replay of given samples)
+# --------------------------------------------------------------------------
+def test_replay_scores_the_matching_prefix():
+    import replay_drafts
+
+    assert replay_drafts.accepted_len([5, 6, 7], [5, 6, 9, 7]) == 2
+    assert replay_drafts.accepted_len([5], [4]) == 0
+    assert replay_drafts.accepted_len([], [1, 2]) == 0
+
+
+def test_replay_lookahead_memory_drafts_an_earlier_requests_text():
+    """A second request repeats the first one's answer: with the shared
+    memory it drafts the earlier text; without, its own text (which never
+    repeats here) gives nothing. Siblings in lockstep with the same text do
+    not help each other: a place is indexed once ``delay`` tokens follow
+    it, and a sibling never has them before the asking sample."""
+    import replay_drafts
+
+    prompt = list(range(1000, 1030))
+    text = list(range(2000, 2040))  # no repeats: own-text lookups find nothing
+    again = [{"prompt": prompt, "samples": [text]}, {"prompt": prompt, "samples": [text]}]
+    own = replay_drafts.replay(again, replay_drafts.LookaheadDrafter(False))
+    shared = replay_drafts.replay(again, replay_drafts.LookaheadDrafter(True))
+    assert own["positions"] == shared["positions"] == 2 * (len(text) - 1)
+    assert own["accepted"] == 0
+    # the repeat drafts 4 tokens (N) of the first answer at every position
+    assert shared["accepted"] >= len(text) - 8
+    assert 0 < shared["rate"] <= 1.0
+    lockstep = [{"prompt": prompt, "samples": [text, list(text)]}]
+    assert replay_drafts.replay(lockstep, replay_drafts.LookaheadDrafter(True))["accepted"] == 0
+
+
+def test_replay_suffix_drafter_when_installed():
+    import replay_drafts
+
+    pytest.importorskip("arctic_inference.suffix_decoding")
+    prompt = list(range(1000, 1030))
+    text = list(range(2000, 2040))
+    items = [{"prompt": prompt, "samples": [text]}, {"prompt": prompt, "samples": [text]}]
+    r = replay_drafts.replay(items, replay_drafts.SuffixDrafter(4))
+    # the second request repeats the first, which the global tree holds
+    assert r["accepted"] >= len(text) - 8

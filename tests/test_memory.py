@@ -354,3 +354,61 @@ def test_jacobi_step_feeds_the_memory_only_for_requests_that_feed_it():
         jacobi_step(state, _Layout(), 11, np.asarray([5]), mem)
         assert mem.ngrams(0, 11) == expect
         assert state.pool.get(11)[0][0] == (1, 2, 3)
+
+
+def _after(mem, key, conts, scope=0):
+    """Documents (oldest first) in which ``key`` is followed by each of
+    ``conts``; returns their ids."""
+    ids = []
+    for c in conts:
+        d = mem.open(scope, _toks(*([1] * 30)))
+        mem.extend(d, np.concatenate([key, _toks(*c)]))
+        mem.close(d)
+        ids.append(d)
+    return ids
+
+
+def test_the_places_of_a_key_vote():
+    """The newest MAX_PLACES places of a key vote token by token (the most
+    common continuation, not the newest); the draft stops where fewer than
+    min_prob of them agree with it all the way."""
+    key = _toks(*range(500, 512))  # 12 tokens: the longest key
+    mem = SharedMemory(4096, delay=2)
+    _after(mem, key, [(7, 8), (7, 8), (9, 9)])
+    assert mem.lookup(0, None, key, len(key), 2) == ([7, 8], 12)
+    mem.min_prob = 0.9  # 2 of 3 agree: too few at every key length
+    assert mem.lookup(0, None, key, len(key), 2) == ([], 0)
+    # min_prob 0: the old answer only where the newest is also the mode
+    one = SharedMemory(4096, delay=2, min_prob=0.0)
+    _after(one, key, [(9, 9), (7, 8)])
+    assert one.lookup(0, None, key, len(key), 2) == ([7, 8], 12)
+
+
+def test_votes_leave_out_the_asking_document_and_evicted_ones():
+    key = _toks(*range(500, 512))
+    mem = SharedMemory(4096, delay=2)
+    a, b, c = _after(mem, key, [(7, 8), (7, 8), (9, 9)])
+    # the asking request's own place does not vote (the chain goes on past
+    # it): as a, b and c tie and the newest (c) wins; as c, 7 8 twice
+    assert mem.lookup(0, a, key, len(key), 2) == ([9, 9], 12)
+    assert mem.lookup(0, c, key, len(key), 2) == ([7, 8], 12)
+    # the two oldest evicted: only c's place is left
+    mem._docs.pop(a)
+    mem._docs.pop(b)
+    assert mem.lookup(0, None, key, len(key), 2) == ([9, 9], 12)
+
+
+def test_votes_skip_places_of_other_keys_on_a_shared_slot(monkeypatch):
+    """Every key hashes to one slot: the chain mixes keys, and only the
+    places whose tokens are the asked key vote."""
+    import builtins
+
+    import vllm_lookahead.memory as memory
+
+    monkeypatch.setattr(memory, "hash", lambda _x: 0, raising=False)
+    assert builtins.hash((1, 2)) != 0  # (the module's own name, not Python's)
+    key, other = _toks(*range(500, 512)), _toks(*range(600, 612))
+    mem = SharedMemory(4096, delay=2)
+    _after(mem, key, [(7, 8)])
+    _after(mem, other, [(9, 9), (9, 9)])
+    assert mem.lookup(0, None, key, len(key), 2) == ([7, 8], 12)

@@ -457,3 +457,36 @@ def test_a_tree_with_part_of_the_window_moves_its_columns_only():
     win.shift(np.array([20, 21]))
     # L0[:1] <- L1[1:2]; L1[:2] <- L2[:2]; L2[:2] <- new; column 2 untouched
     assert win.levels.tolist() == [[5, 2, 3], [7, 8, 6], [20, 21, 9]]
+
+
+def test_vote_draft_follows_the_places_that_agree():
+    from vllm_lookahead.state import vote_draft
+
+    # newest first: the mode wins over the newest place, token by token
+    assert vote_draft([[9, 9], [7, 8], [7, 8]], 2, 0.1) == [7, 8]
+    # among equals the newest place's token
+    assert vote_draft([[9, 1], [7, 2]], 2, 0.1) == [9, 1]
+    # only the places that agreed so far vote on the next token
+    assert vote_draft([[5, 1], [5, 2], [5, 2], [6, 1], [6, 1]], 2, 0.1) == [5, 2]
+    # the draft stops where too few places agree all the way (2 of 5 < 0.5)
+    assert vote_draft([[5, 1], [5, 2], [5, 2], [6, 1], [6, 1]], 2, 0.5) == [5]
+    assert vote_draft([[1], [2], [3]], 1, 0.5) == []
+    # one place: its continuation, whatever min_prob; at most k tokens
+    assert vote_draft([[4, 5, 6]], 2, 0.9) == [4, 5]
+    assert vote_draft([], 3, 0.1) == []
+    # short continuations stop voting where they end
+    assert vote_draft([[3], [3, 4]], 3, 0.1) == [3, 4]
+
+
+def test_suffix_match_votes_when_asked():
+    from vllm_lookahead.state import suffix_match
+
+    # "1 2" is followed by 7 8 twice, then by 9 9 (newest); the text ends in "1 2"
+    toks = np.array([1, 2, 7, 8, 0, 1, 2, 7, 8, 0, 1, 2, 9, 9, 0, 1, 2], np.int32)
+    assert suffix_match(toks, len(toks), 2, max_len=2) == ([9, 9], 2)  # newest place
+    assert suffix_match(toks, len(toks), 2, max_len=2, min_prob=0.1) == ([7, 8], 2)
+    assert suffix_match(toks, len(toks), 2, max_len=2, min_prob=0.1,
+                        max_places=1) == ([9, 9], 2)
+    # the longest key's places vote alone: "0 1 2" came before 7 8 once
+    # and 9 9 once (a tie: the newest)
+    assert suffix_match(toks, len(toks), 2, max_len=3, min_prob=0.1) == ([9, 9], 3)

@@ -22,6 +22,7 @@ from vllm_lookahead.state import (
     SOURCE_MODEL,
     SOURCE_PROMPT,
     SOURCE_WINDOW,
+    MIN_PROB,
     JacobiWindow,
     NGramPool,
     RequestState,
@@ -121,7 +122,8 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
     ``max(N, lookup_len)`` tokens, or N when there is no room, to keep
     learning its acceptance):
     the continuation of the text's longest earlier-seen suffix (2-4 tokens,
-    ``prompt_pool`` on), unless the engine's shared ``memory``
+    ``prompt_pool`` on; its newest 16 places vote, :func:`~vllm_lookahead.
+    state.vote_draft`), unless the engine's shared ``memory``
     (:class:`~vllm_lookahead.memory.SharedMemory`) matches a longer one in
     other requests' text (12, 6 or 3 tokens: its own text wins ties); else
     the pool's most often seen (then newest) continuation of the newest
@@ -131,7 +133,7 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
     k = min(room if room > 0 else n, max(n, state.settings.lookup_len))
     draft, source, matched = [], SOURCE_PROMPT, 0
     if prompt_pool:
-        draft, matched = suffix_match(tokens, n_tok, k)
+        draft, matched = suffix_match(tokens, n_tok, k, min_prob=MIN_PROB)
     state.lookup_kind = f"suffix{matched}" if draft else "pool"
     if memory is not None and state.memory_reads:
         mem, m = memory.lookup(state.memory_scope, state.memory_doc, tokens, n_tok, k)

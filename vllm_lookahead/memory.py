@@ -51,6 +51,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from vllm_lookahead.state import MAX_PLACES, MIN_PROB, vote_draft
+
 #: Key lengths looked up, longest first: a long key names the context (the
 #: question before an answer), a short one finds phrases.
 KEY_LENS = (12, 6, 3)
@@ -89,11 +91,14 @@ def _tag(scope: int, key: int) -> int:
 
 
 class _Doc:
-    __slots__ = ("scope", "tokens", "n", "indexed", "full")
+    __slots__ = ("scope", "tokens", "prev", "n", "indexed", "full")
 
     def __init__(self, scope: int) -> None:
         self.scope = scope
         self.tokens = np.empty(64, dtype=np.int32)
+        #: per key length and place j: the place the key's slot held before
+        #: j took it (``doc << 32 | pos``; -1: none), a chain, newest first
+        self.prev = np.full((len(KEY_LENS), 64), -1, dtype=np.int64)
         self.n = 0
         #: positions j < indexed have their keys (ending at j) in the tables
         self.indexed = 0
@@ -109,15 +114,16 @@ class SharedMemory:
             longest draft the memory is asked for).
     """
 
-    def __init__(self, capacity: int, delay: int = 4) -> None:
+    def __init__(self, capacity: int, delay: int = 4, min_prob: float = MIN_PROB) -> None:
         if capacity < 256:
             raise ValueError(f"memory capacity must be >= 256 tokens, got {capacity}")
         self.capacity = int(capacity)
         self.delay = max(int(delay), 1)
+        self.min_prob = float(min_prob)
         self.max_docs = max(self.capacity // MIN_DOC_TOKENS, 1)
         slots = 1 << max(int(self.capacity - 1).bit_length(), 8)
         self._mask = slots - 1
-        self._doc = np.full((len(KEY_LENS), slots), -1, dtype=np.int64)
+        self._doc = np.full((len(KEY_LENS), slots), -1, dtype=np.int32)
         self._pos = np.zeros((len(KEY_LENS), slots), dtype=np.int32)
         self._docs: OrderedDict[int, _Doc] = OrderedDict()
         sets = 1 << max(int(self.capacity // HARVEST_TOKENS_PER_SET - 1).bit_length(), 4)
@@ -135,7 +141,9 @@ class SharedMemory:
         """A new document for a request, starting with the last
         :data:`PROMPT_TAIL` tokens of its ``prompt``. Returns its id."""
         doc_id = self._next_id
-        self._next_id += 1
+        # ids wrap at 2^31 (int32 tables): the documents of 2^31 requests ago
+        # are long evicted
+        self._next_id = (self._next_id + 1) & 0x7FFFFFFF
         self._docs[doc_id] = _Doc(scope)
         self._evict()
         self.extend(doc_id, np.asarray(prompt)[-PROMPT_TAIL:])
@@ -154,9 +162,13 @@ class SharedMemory:
             return
         need = doc.n + k
         if need > doc.tokens.size:
-            grown = np.empty(max(need, 2 * doc.tokens.size), dtype=np.int32)
+            size = max(need, 2 * doc.tokens.size)
+            grown = np.empty(size, dtype=np.int32)
             grown[: doc.n] = doc.tokens[: doc.n]
             doc.tokens = grown
+            chains = np.full((len(KEY_LENS), size), -1, dtype=np.int64)
+            chains[:, : doc.n] = doc.prev[:, : doc.n]
+            doc.prev = chains
         doc.tokens[doc.n: need] = np.asarray(tokens, dtype=np.int32)
         doc.n = need
         self.tokens += k
@@ -220,14 +232,17 @@ class SharedMemory:
             return
         base = max(start - KEY_LENS[0], 0)
         seq = toks[base: upto].tolist()
+        docs, poss, prev = self._doc, self._pos, doc.prev
         for j in range(start, upto + 1):
             for t, m in enumerate(KEY_LENS):
                 if j < m:
                     continue
                 key = seq[j - m - base: j - base]
                 slot = hash((scope, *key)) & mask
-                self._doc[t, slot] = doc_id
-                self._pos[t, slot] = j
+                held = int(docs[t, slot])
+                prev[t, j] = (held << 32) | int(poss[t, slot]) if held >= 0 else -1
+                docs[t, slot] = doc_id
+                poss[t, slot] = j
         doc.indexed = upto + 1
 
     def _evict(self) -> None:
@@ -241,9 +256,16 @@ class SharedMemory:
     def lookup(self, scope: int, own: int | None, text: np.ndarray, n: int,
                k: int) -> tuple[list[int], int]:
         """What followed the longest key (:data:`KEY_LENS`) of
-        ``text[:n]``'s suffix in another document of ``scope``: at most
+        ``text[:n]``'s suffix in the other documents of ``scope``: at most
         ``k`` tokens, and the key's length; ``([], 0)`` for none.
-        ``own``: the asking request's document (never answered from)."""
+        ``own``: the asking request's document (never answered from).
+
+        The newest :data:`MAX_PLACES` places of the key vote, token by
+        token, as a suffix tree's counts do: each next token is the one most
+        of the places still agreeing with the draft continue with (the
+        newest among equals), and the draft stops where the share of the
+        places that agree with it all the way falls below ``min_prob``
+        (one place: its whole continuation, as far as it goes)."""
         if k <= 0:
             return [], 0
         mask = self._mask
@@ -252,19 +274,38 @@ class SharedMemory:
                 continue
             key = text[n - m: n].tolist()
             slot = hash((scope, *key)) & mask
-            doc_id = int(self._doc[t, slot])
-            if doc_id < 0 or doc_id == own:
+            conts = self._continuations(t, int(self._doc[t, slot]), int(self._pos[t, slot]),
+                                        scope, own, key, k)
+            if not conts:
                 continue
-            doc = self._docs.get(doc_id)
-            if doc is None or doc.scope != scope:
-                continue
-            j = int(self._pos[t, slot])
-            if j > doc.n or doc.tokens[j - m: j].tolist() != key:
-                continue
-            cont = doc.tokens[j: min(j + k, doc.n)].tolist()
+            cont = vote_draft(conts, k, self.min_prob)
             if cont:
                 return cont, m
         return [], 0
+
+    def _continuations(self, t: int, doc_id: int, j: int, scope: int, own: int | None,
+                       key: list[int], k: int) -> list[list[int]]:
+        """Up to ``k`` tokens after each of the newest :data:`MAX_PLACES`
+        places of ``key`` (key length ``KEY_LENS[t]``) in live documents of
+        ``scope`` other than ``own``, newest first; following the slot's
+        chain (:attr:`_Doc.prev`), places of other keys (a hash collision)
+        and of evicted documents skipped."""
+        m = len(key)
+        out: list[list[int]] = []
+        hops = 0
+        while doc_id >= 0 and len(out) < MAX_PLACES and hops < 4 * MAX_PLACES:
+            hops += 1
+            doc = self._docs.get(doc_id)
+            if doc is None:  # evicted: older places are older still
+                break
+            nxt = int(doc.prev[t, j]) if j < doc.prev.shape[1] else -1
+            if (doc_id != own and doc.scope == scope and m <= j <= doc.n
+                    and doc.tokens[j - m: j].tolist() == key):
+                cont = doc.tokens[j: min(j + k, doc.n)].tolist()
+                if cont:
+                    out.append(cont)
+            doc_id, j = (nxt >> 32, nxt & 0xFFFFFFFF) if nxt >= 0 else (-1, 0)
+        return out
 
     # -- figures -----------------------------------------------------------
     def __len__(self) -> int:
@@ -274,4 +315,4 @@ class SharedMemory:
     def nbytes(self) -> int:
         """Bytes held: the index tables and the documents' arrays."""
         return int(self._doc.nbytes + self._pos.nbytes + self._htag.nbytes + self._hgram.nbytes
-                   + sum(d.tokens.nbytes for d in self._docs.values()))
+                   + sum(d.tokens.nbytes + d.prev.nbytes for d in self._docs.values()))

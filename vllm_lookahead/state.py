@@ -231,8 +231,17 @@ def suffix_lookup(tokens: np.ndarray, n: int, k: int, min_len: int = 2,
     return suffix_match(tokens, n, k, min_len, max_len)[0]
 
 
+#: Places of a key that vote on a lookup's draft (the newest ones;
+#: :func:`vote_draft`).
+MAX_PLACES = 16
+#: A voted draft stops where fewer than this share of the key's places
+#: agree with it all the way (suffix decoding's ``min_token_prob`` is 0.1).
+MIN_PROB = 0.1
+
+
 def suffix_match(tokens: np.ndarray, n: int, k: int, min_len: int = 2,
-                 max_len: int = 4) -> tuple[list[int], int]:
+                 max_len: int = 4, min_prob: float | None = None,
+                 max_places: int = MAX_PLACES) -> tuple[list[int], int]:
     """Prompt lookup with a multi-token key: the ``k`` tokens that followed
     the most recent earlier occurrence of the longest suffix of
     ``tokens[:n]`` (``max_len`` down to ``min_len`` tokens long), or ``[]``.
@@ -246,6 +255,9 @@ def suffix_match(tokens: np.ndarray, n: int, k: int, min_len: int = 2,
         tokens: int array, at least ``n`` long (the request's tokens).
         n: number of valid tokens.
         k: longest continuation returned.
+        min_prob: None: the newest place's continuation. A share: the
+            newest ``max_places`` places of the longest suffix vote
+            (:func:`vote_draft`).
 
     Returns:
         (continuation, length of the matched suffix); ``([], 0)`` for none.
@@ -269,10 +281,49 @@ def suffix_match(tokens: np.ndarray, n: int, k: int, min_len: int = 2,
                 break
             longer = longer[t[longer - j] == t[n - 1 - j]]
         if longer.size:
-            e = int(longer[-1])
-            return t[e + 1: e + 1 + k].tolist(), m
-    e = int(ends[-1])
-    return t[e + 1: e + 1 + k].tolist(), min_len
+            return _continue(t, longer, k, min_prob, max_places), m
+    return _continue(t, ends, k, min_prob, max_places), min_len
+
+
+def _continue(t: np.ndarray, ends: np.ndarray, k: int, min_prob: float | None,
+              max_places: int) -> list[int]:
+    """The draft after the places ending at ``ends`` (ascending) of ``t``."""
+    if min_prob is None or ends.size == 1:
+        e = int(ends[-1])
+        return t[e + 1: e + 1 + k].tolist()
+    conts = [t[e + 1: e + 1 + k].tolist() for e in ends[::-1][:max_places].tolist()]
+    return vote_draft(conts, k, min_prob)
+
+
+def vote_draft(conts: list[list[int]], k: int, min_prob: float) -> list[int]:
+    """The draft that the continuations of a key's places (newest first)
+    vote for, token by token, as a suffix tree's counts do: each next token
+    is the one most of the places that agree with the draft so far continue
+    with (the newest place's among equals); the draft stops where the places
+    that agree with it all the way are fewer than ``min_prob`` of all (a
+    frequency estimate of the chance the whole draft is right; suffix
+    decoding's ``min_token_prob``). One place: its continuation."""
+    if not conts:
+        return []
+    if len(conts) == 1:
+        return conts[0][:k]
+    out: list[int] = []
+    agree = conts
+    need = min_prob * len(conts)
+    for d in range(k):
+        votes: dict[int, int] = {}
+        for c in agree:
+            if d < len(c):
+                votes[c[d]] = votes.get(c[d], 0) + 1
+        if not votes:
+            break
+        best = max(votes.values())
+        if best < need:
+            break
+        tok = next(c[d] for c in agree if d < len(c) and votes[c[d]] == best)
+        out.append(tok)
+        agree = [c for c in agree if d < len(c) and c[d] == tok]
+    return out
 
 
 def choose_candidate(

@@ -1,0 +1,332 @@
+"""How good are the drafts, with no clock: lookahead's lookups against
+suffix decoding's, replayed on the same sampled text.
+
+Timed rows at n = 16 move by +-5-10% from run to run on these shared VMs,
+more than the drafts' quality differs. This script takes the clock out:
+
+1. vanilla vLLM samples ``--n`` outputs of every prompt (temperature,
+   top-p, engine seed as given; cached in ``--samples``, reused when the
+   file exists);
+2. the samples of each prompt are replayed in lockstep, one token a tick,
+   as a batch of siblings decodes (a prompt's samples after the earlier
+   prompts' have ended); before every tick each method drafts up to ``K``
+   tokens for every sample from what it has seen so far. With
+   ``--repeat`` the samples are requests of their own instead, asked one
+   at a time in passes over the set (pass k: every prompt, answered by its
+   k-th sample): a question asked again;
+3. a draft scores the length of its prefix that matches the sample's
+   actual next tokens. For a one-token-per-position draft (what every
+   method here hands vLLM) this is distributed as the rejection sampler's
+   accepted length: a draft token ``x`` is accepted with probability
+   ``p(x)``, the probability that the sample drew ``x``.
+
+Methods:
+
+* ``lookahead``: :func:`vllm_lookahead.drafting.lookup`, the unchecked
+  lookup the planner drafts from (the request's own text: prompt lookup of
+  2-4 tokens and the n-gram pool; the engine's shared memory: keys of 12, 6
+  and 3 tokens in other requests' text, newest place first), its own
+  n-grams added as ``StepDrafter`` adds them; ``K`` = N = 4;
+* ``lookahead-own``: the same without the shared memory;
+* ``lookahead:16``: with ``lookup_len`` 16 (unchecked drafts up to 16
+  tokens);
+* ``suffix:K``: Arctic Inference's ``SuffixDecodingCache`` as vLLM's
+  ``suffix`` method drives it (``start_request`` with the prompt,
+  ``add_active_response`` every token, ``speculate`` on the last 24 tokens,
+  vLLM's defaults: tree depth 24, spec factor 1.0, min token prob 0.1,
+  10000 cached requests), at ``K`` = 4 (lookahead's longest draft) and 24
+  (vLLM's default for ``suffix``). Skipped with a line where
+  ``arctic_inference`` is not installed (``scripts/setup_suffix.sh``).
+
+Per method: draft tokens per position, accepted tokens per position (the
+tokens a step would gain if every position drafted), and their ratio.
+What a draft costs is left out: that is the planner's side (and the timed
+benchmarks').
+
+    .venv/bin/python benchmarks/replay_drafts.py [--n 16] [--prompts 8] \\
+        [--samples benchmarks/results/replay_samples.json]
+
+Prints the table, writes ``benchmarks/results/replay_drafts.json`` and a
+plot next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+#: Tokens of a sample's text the suffix tree is asked with (vLLM passes the
+#: last ``suffix_decoding_max_tree_depth`` = 24).
+SUFFIX_PATTERN = 24
+#: The settings the cached samples were made with (made again on a change).
+SAMPLING_KEYS = ("datasets", "prompts", "n", "temperature", "top_p", "max_tokens",
+                 "engine_seed", "dtype")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"],
+                   choices=["humaneval", "mtbench"])
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--n", type=int, default=16, help="samples per prompt")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--engine-seed", type=int, default=23)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--samples", default="benchmarks/results/replay_samples.json",
+                   help="the sampled outputs (made by vanilla vLLM when missing)")
+    p.add_argument("--repeat", action="store_true",
+                   help="replay each prompt's samples as requests asked one after another "
+                        "(pass k: sample k of every prompt, one request at a time) instead "
+                        "of a batch of siblings")
+    p.add_argument("--out", default="benchmarks/results/replay_drafts.json")
+    return p.parse_args(argv)
+
+
+# -- the samples --------------------------------------------------------------
+def sample_outputs(args) -> dict:
+    """``{dataset: [{"prompt": ids, "samples": [ids, ...]}, ...]}`` from
+    vanilla vLLM (in this process)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from prompts import _load_prompts, _prepare_model
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    path = str(_prepare_model("smollm2"))
+    tok = AutoTokenizer.from_pretrained(path)
+    llm = LLM(path, dtype=args.dtype, enforce_eager=True, max_model_len=2048,
+              max_num_seqs=args.n, seed=args.engine_seed, kv_cache_memory_bytes=1 << 30)
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
+                            max_tokens=args.max_tokens)
+    out = {}
+    for ds in args.datasets:
+        out[ds] = []
+        for p in tqdm(_load_prompts(ds, args.prompts, tok), desc=f"sampling {ds}"):
+            got = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0]
+            out[ds].append({"prompt": list(p),
+                            "samples": [list(c.token_ids) for c in got.outputs]})
+    return out
+
+
+# -- the drafters ---------------------------------------------------------------
+class LookaheadDrafter:
+    """Lookahead's unchecked lookup for every sample (its own
+    :class:`~vllm_lookahead.state.RequestState`), with or without the
+    engine's shared memory."""
+
+    def __init__(self, shared_memory: bool = True, lookup_len: int = 0) -> None:
+        from vllm_lookahead.acceptance import AcceptancePrior
+        from vllm_lookahead.config import RequestSettings
+        from vllm_lookahead.memory import SharedMemory
+
+        self.settings = RequestSettings(lookup_len=lookup_len)
+        self.k = max(self.settings.ngram_size, lookup_len)
+        self.prior = AcceptancePrior(self.settings.guess_set_size)
+        self.memory = (SharedMemory(131072, delay=self.settings.ngram_size) if shared_memory
+                       else None)  # as the proposer builds it
+        self.states: dict[str, object] = {}
+
+    def start(self, rid: str, prompt: list[int]) -> None:
+        from vllm_lookahead.drafting import new_state
+
+        toks = np.asarray(prompt, dtype=np.int64)
+        st = new_state(self.settings, toks, len(toks), len(toks), None, False, 0, self.prior)
+        if self.memory is not None:
+            st.memory_doc = self.memory.open(0, toks)
+            st.memory_reads = True
+        st.memory_upto = len(toks)
+        self.states[rid] = st
+
+    def feed(self, rid: str, token: int) -> None:
+        st = self.states[rid]
+        if self.memory is not None:
+            self.memory.extend(st.memory_doc, [token])
+
+    def draft(self, rid: str, text: list[int]) -> list[int]:
+        from vllm_lookahead.drafting import lookup
+
+        st = self.states[rid]
+        toks = np.asarray(text, dtype=np.int64)
+        st.add_context_ngrams(toks, self.settings.ngram_size, len(toks))
+        return lookup(st, toks, len(toks), self.k, True, self.memory)
+
+    def stop(self, rid: str) -> None:
+        st = self.states.pop(rid)
+        if self.memory is not None:
+            self.memory.close(st.memory_doc)
+
+
+class SuffixDrafter:
+    """Arctic Inference's suffix cache, driven as vLLM's ``suffix`` method
+    drives it (vLLM's defaults)."""
+
+    def __init__(self, k: int) -> None:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.k = k
+        self.cache = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000)
+
+    def start(self, rid: str, prompt: list[int]) -> None:
+        self.cache.start_request(rid, np.asarray(prompt, dtype=np.int32))
+
+    def feed(self, rid: str, token: int) -> None:
+        self.cache.add_active_response(rid, [token])
+
+    def draft(self, rid: str, text: list[int]) -> list[int]:
+        pattern = np.asarray(text[-SUFFIX_PATTERN:], dtype=np.int32)
+        got = self.cache.speculate(rid, pattern, max_spec_tokens=self.k,
+                                   max_spec_factor=1.0, min_token_prob=0.1)
+        return list(got.token_ids)
+
+    def stop(self, rid: str) -> None:
+        self.cache.stop_request(rid)
+
+
+def drafters() -> dict[str, Callable[[], object]]:
+    """Method name -> a fresh drafter's factory (suffix only where Arctic
+    Inference's suffix tree is importable)."""
+    out: dict[str, Callable[[], object]] = {
+        "lookahead": lambda: LookaheadDrafter(True),
+        "lookahead-own": lambda: LookaheadDrafter(False),
+        "lookahead:16": lambda: LookaheadDrafter(True, lookup_len=16),
+    }
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401
+    except ImportError:
+        print("suffix: arctic_inference.suffix_decoding is not installed "
+              "(bash scripts/setup_suffix.sh): skipped", file=sys.stderr)
+    else:
+        out["suffix:4"] = lambda: SuffixDrafter(4)
+        out["suffix:24"] = lambda: SuffixDrafter(24)
+    return out
+
+
+# -- the replay -------------------------------------------------------------------
+def accepted_len(draft: list[int], actual: list[int]) -> int:
+    """Length of the prefix of ``draft`` that ``actual`` starts with."""
+    a = 0
+    for d, x in zip(draft, actual):
+        if d != x:
+            break
+        a += 1
+    return a
+
+
+def replay(items: list[dict], drafter) -> dict:
+    """Replay ``items`` (``{"prompt", "samples"}`` per prompt, in order)
+    through ``drafter``: the samples of a prompt in lockstep, a draft for
+    every sample before every token but its first. Returns ``positions``,
+    ``draft_tokens`` and ``accepted`` summed, ``drafted`` (positions with a
+    draft) and their ratios."""
+    positions = draft_tokens = accepted = drafted = 0
+    rid = 0
+    for item in items:
+        prompt, samples = list(item["prompt"]), item["samples"]
+        ids = [f"r{rid + i}" for i in range(len(samples))]
+        rid += len(samples)
+        texts = [list(prompt) for _ in samples]
+        for r in ids:
+            drafter.start(r, prompt)
+        for t in range(max((len(s) for s in samples), default=0)):
+            for i, s in enumerate(samples):
+                if 0 < t <= len(s):
+                    texts[i].append(int(s[t - 1]))
+                    drafter.feed(ids[i], int(s[t - 1]))
+            for i, s in enumerate(samples):
+                if t == 0 or t >= len(s):
+                    continue
+                d = drafter.draft(ids[i], texts[i])
+                positions += 1
+                draft_tokens += len(d)
+                drafted += bool(d)
+                accepted += accepted_len(d, s[t:])
+        for r in ids:
+            drafter.stop(r)
+    p = max(positions, 1)
+    return dict(positions=positions, drafted=drafted, draft_tokens=draft_tokens,
+                accepted=accepted, draft_per_pos=draft_tokens / p, accepted_per_pos=accepted / p,
+                rate=accepted / max(draft_tokens, 1))
+
+
+def as_passes(items: list[dict]) -> list[dict]:
+    """The same samples as single requests asked again and again: pass k
+    asks every prompt once, answered by its k-th sample."""
+    n = min((len(it["samples"]) for it in items), default=0)
+    return [{"prompt": it["prompt"], "samples": [it["samples"][k]]}
+            for k in range(n) for it in items]
+
+
+def _table(results: dict) -> str:
+    lines = [f"{'set':10s} {'method':14s} {'positions':>9s} {'drafted':>8s} "
+             f"{'tok/pos':>8s} {'acc/pos':>8s} {'rate':>6s}"]
+    for ds, by in results.items():
+        for m, r in by.items():
+            lines.append(f"{ds:10s} {m:14s} {r['positions']:9d} {r['drafted'] / max(r['positions'], 1):8.2f} "
+                         f"{r['draft_per_pos']:8.2f} {r['accepted_per_pos']:8.3f} {r['rate']:6.3f}")
+    return "\n".join(lines)
+
+
+def _plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        return
+    sets = list(results)
+    fig, axes = plt.subplots(1, len(sets), figsize=(5 * len(sets), 4), squeeze=False)
+    for ax, ds in zip(axes[0], sets):
+        names = list(results[ds])
+        x = np.arange(len(names))
+        ax.bar(x - 0.2, [results[ds][m]["draft_per_pos"] for m in names], 0.4,
+               label="draft tokens / position")
+        ax.bar(x + 0.2, [results[ds][m]["accepted_per_pos"] for m in names], 0.4,
+               label="accepted / position")
+        ax.set_xticks(x, names, rotation=20)
+        ax.set_title(ds)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> None:
+    args = _parse(sys.argv[1:] if argv is None else argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from report import machine_info
+
+    samples_path = Path(args.samples)
+    config = {k: getattr(args, k) for k in SAMPLING_KEYS}
+    cached = json.loads(samples_path.read_text()) if samples_path.exists() else None
+    if cached is not None and cached.get("config") == config:
+        data = cached["sets"]
+    else:  # none yet, or made with other settings
+        data = sample_outputs(args)
+        samples_path.parent.mkdir(parents=True, exist_ok=True)
+        samples_path.write_text(json.dumps({"config": config, "sets": data}))
+    if args.repeat:
+        data = {ds: as_passes(items) for ds, items in data.items()}
+    results = {ds: {name: replay(items, make()) for name, make in drafters().items()}
+               for ds, items in data.items()}
+    print(_table(results))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = dict(vars(args))
+    meta.update(machine_info(sys.argv if argv is None else ["replay_drafts.py", *argv]))
+    out.write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    _plot(results, out.with_suffix(".png"))
+    print(f"results: {out}\nplot: {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
