@@ -25,9 +25,15 @@ Layout and bounds:
   ``hash(scope, m tokens)`` points at the newest place those tokens were
   followed by at least ``delay`` tokens (so a running request's newest
   tokens are indexed ``delay`` tokens late: a match always has a
-  continuation to draft). A collision overwrites; a lookup verifies the
-  document is alive, in the same scope, and holds the key tokens there.
-  Fixed size: ``len(KEY_LENS) * slots * 12`` bytes.
+  continuation to draft), and each place keeps the slot's previous
+  holder (``_Doc.prev``): a chain of the key's places, newest first,
+  broken where a document was evicted. A collision overwrites the slot
+  (and mixes the chain); a lookup verifies each place's document is
+  alive, in the same scope, and holds the key tokens there, and the
+  newest :data:`~vllm_lookahead.state.MAX_PLACES` places vote on the draft
+  (:func:`~vllm_lookahead.state.vote_draft`). Fixed tables of
+  ``len(KEY_LENS) * slots * 8`` bytes, and 24 bytes per held token for
+  the chains.
 
 * **harvest**: the n-grams the requests' Jacobi windows produced (a key
   token and its ``delay - 1``-token continuation), in a set-associative
@@ -35,7 +41,7 @@ Layout and bounds:
   :data:`HARVEST_WAYS` n-grams each, keyed by ``hash(scope, key token)``,
   newest first; a new n-gram pushes the set's oldest out. Fixed size.
 
-With the default capacity (131072 tokens) the whole memory is about 6 MB
+With the default capacity (131072 tokens) the whole memory is about 7 MB
 (:meth:`SharedMemory.nbytes`).
 
 Isolation: every document carries a *scope* (a digest of vLLM's
