@@ -303,7 +303,7 @@ def _plot(results: dict, path: Path) -> None:
 def main(argv=None) -> None:
     args = _parse(sys.argv[1:] if argv is None else argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from report import machine_info
+    from report import save_results
 
     samples_path = Path(args.samples)
     config = {k: getattr(args, k) for k in SAMPLING_KEYS}
@@ -319,13 +319,8 @@ def main(argv=None) -> None:
     results = {ds: {name: replay(items, make()) for name, make in drafters().items()}
                for ds, items in data.items()}
     print(_table(results))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(vars(args))
-    meta.update(machine_info(sys.argv if argv is None else ["replay_drafts.py", *argv]))
-    out.write_text(json.dumps(dict(meta=meta, results=results), indent=1))
-    _plot(results, out.with_suffix(".png"))
-    print(f"results: {out}\nplot: {out.with_suffix('.png')}")
+    save_results(args.out, vars(args), results, _plot,
+                 sys.argv if argv is None else ["replay_drafts.py", *argv])
 
 
 if __name__ == "__main__":

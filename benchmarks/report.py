@@ -11,7 +11,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +200,19 @@ def _write_json(path: Path, data: Any) -> None:
 def _write_json_out(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     _write_json(path, data)
+
+
+def save_results(out: str | Path, settings: dict[str, Any], results: dict,
+                 plot: Callable[[dict, Path], None], argv: Sequence[str]) -> None:
+    """A measuring script's output: ``{"meta": settings and the machine
+    (:func:`machine_info` of ``argv``), "results": results}`` as JSON at
+    ``out``, ``plot(results, out.png)`` beside it; prints both paths."""
+    out = Path(out)
+    meta = dict(settings)
+    meta.update(machine_info(argv))
+    _write_json_out(out, dict(meta=meta, results=results))
+    plot(results, out.with_suffix(".png"))
+    print(f"results: {out}\nplot: {out.with_suffix('.png')}")
 
 
 # --------------------------------------------------------------------------

@@ -259,7 +259,7 @@ def main(argv=None) -> None:
     for m in args.methods:
         spec_of(m)  # a bad method fails before any engine starts
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from report import machine_info
+    from report import save_results
 
     results: dict = {m: {"steps": [], "elapsed_s": 0.0} for m in args.methods}
     order = list(args.methods)
@@ -282,13 +282,8 @@ def main(argv=None) -> None:
     for res in results.values():
         res["summary"] = summarize(res["steps"])
     print(_table(results))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {k: v for k, v in vars(args).items() if k != "child"}
-    meta.update(machine_info(sys.argv if argv is None else ["step_breakdown.py", *argv]))
-    out.write_text(json.dumps(dict(meta=meta, results=results), indent=1))
-    _plot(results, out.with_suffix(".png"))
-    print(f"results: {out}\nplot: {out.with_suffix('.png')}")
+    save_results(args.out, {k: v for k, v in vars(args).items() if k != "child"}, results,
+                 _plot, sys.argv if argv is None else ["step_breakdown.py", *argv])
 
 
 if __name__ == "__main__":
