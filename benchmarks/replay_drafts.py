@@ -126,14 +126,15 @@ class LookaheadDrafter:
 
     def __init__(self, shared_memory: bool = True, lookup_len: int = 0) -> None:
         from vllm_lookahead.acceptance import AcceptancePrior
-        from vllm_lookahead.config import RequestSettings
+        from vllm_lookahead.config import LookaheadConfig, RequestSettings
         from vllm_lookahead.memory import SharedMemory
 
         self.settings = RequestSettings(lookup_len=lookup_len)
         self.k = max(self.settings.ngram_size, lookup_len)
         self.prior = AcceptancePrior(self.settings.guess_set_size)
-        self.memory = (SharedMemory(131072, delay=self.settings.ngram_size) if shared_memory
-                       else None)  # as the proposer builds it
+        # as the proposer builds it, at the engine's default capacity
+        self.memory = (SharedMemory(LookaheadConfig().memory_tokens,
+                                    delay=self.settings.ngram_size) if shared_memory else None)
         self.states: dict[str, object] = {}
 
     def start(self, rid: str, prompt: list[int]) -> None:
@@ -144,7 +145,6 @@ class LookaheadDrafter:
         if self.memory is not None:
             st.memory_doc = self.memory.open(0, toks)
             st.memory_reads = True
-        st.memory_upto = len(toks)
         self.states[rid] = st
 
     def feed(self, rid: str, token: int) -> None:

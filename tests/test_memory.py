@@ -378,7 +378,7 @@ def test_the_places_of_a_key_vote():
     assert mem.lookup(0, None, key, len(key), 2) == ([7, 8], 12)
     mem.min_prob = 0.9  # 2 of 3 agree: too few at every key length
     assert mem.lookup(0, None, key, len(key), 2) == ([], 0)
-    # min_prob 0: the old answer only where the newest is also the mode
+    # a tie (one place each): the newest place's continuation, as before the vote
     one = SharedMemory(4096, delay=2, min_prob=0.0)
     _after(one, key, [(9, 9), (7, 8)])
     assert one.lookup(0, None, key, len(key), 2) == ([7, 8], 12)
