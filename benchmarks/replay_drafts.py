@@ -72,7 +72,7 @@ SAMPLING_KEYS = ("datasets", "prompts", "n", "temperature", "top_p", "max_tokens
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--datasets", nargs="+", default=["humaneval", "mtbench"],
-                   choices=["humaneval", "mtbench"])
+                   choices=["humaneval", "mtbench", "template"])
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=16, help="samples per prompt")
     p.add_argument("--temperature", type=float, default=0.8)

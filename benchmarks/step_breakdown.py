@@ -55,7 +55,7 @@ def _parse(argv):
                         "or a JSON speculative_config")
     p.add_argument("--model", default="smollm2", choices=["smollm2", "qwen-coder"])
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--dataset", default="mtbench", choices=["humaneval", "mtbench"])
+    p.add_argument("--dataset", default="mtbench", choices=["humaneval", "mtbench", "template"])
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--n", type=int, default=4, help="samples per request (batched)")
     p.add_argument("--temperature", type=float, default=0.8)

@@ -292,6 +292,28 @@ def test_planner_prices_a_long_lookup(p, per_token, lo, hi):
     assert shape.kind == "draft" and lo <= shape.draft <= hi, shape
 
 
+def test_planner_drafts_a_unanimous_lookup_and_skips_a_split_one_of_the_same_key():
+    """The kinds learnt apart: the same key length, its places agreeing or
+    split, priced by what each kind was accepted at."""
+    from vllm_lookahead.acceptance import RequestAcceptance
+    from vllm_lookahead.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner import RequestView
+
+    acc = RequestAcceptance(AcceptancePrior(max_cands=3))
+    for kind, p in (("suffix3+", 0.9), ("suffix3-", 0.05)):
+        acc.unchecked[kind].hits, acc.unchecked[kind].misses = p * 1000, (1 - p) * 1000
+    # a draft token costs a tenth of a step: worth it at 0.9, not at 0.05
+    curve = CostCurve({1: [(t, 0.05 * (1 + 0.1 * (t - 1))) for t in (1, 2, 4, 8)]})
+    planner = Planner(CostModel(curve))
+    shapes = {}
+    for kind in ("suffix3+", "suffix3-"):
+        v = RequestView(acc=acc, ngram_size=4, window_size=3, guess_set_size=0, room=4,
+                        unchecked=4, lookup_kind=kind, trees=False)
+        (shapes[kind],) = planner.plan([v])
+    assert shapes["suffix3+"].kind == "draft" and shapes["suffix3+"].draft >= 2
+    assert shapes["suffix3-"].kind == "off"
+
+
 # -- the windows' harvest ----------------------------------------------------
 def test_harvest_table_newest_first_bounded_scoped_and_cleared():
     mem = SharedMemory(1024, delay=4)
@@ -412,3 +434,37 @@ def test_votes_skip_places_of_other_keys_on_a_shared_slot(monkeypatch):
     _after(mem, key, [(7, 8)])
     _after(mem, other, [(9, 9), (9, 9)])
     assert mem.lookup(0, None, key, len(key), 2) == ([7, 8], 12)
+
+
+def test_a_lookup_says_how_the_places_agreed_and_its_kind_carries_it():
+    key = _toks(*range(500, 512))
+    mem = SharedMemory(4096, delay=2)
+    _after(mem, key, [(7, 8), (7, 9)])
+    assert mem.lookup_vote(0, None, key, len(key), 2) == ([7, 9], 12, "+")
+    assert mem.lookup(0, None, key, len(key), 2) == ([7, 9], 12)
+    _after(mem, key, [(5, 5)])
+    assert mem.lookup_vote(0, None, key, len(key), 2)[2] == "-"
+    one = SharedMemory(4096, delay=2)
+    _after(one, key, [(7, 8)])
+    assert one.lookup_vote(0, None, key, len(key), 2) == ([7, 8], 12, "")
+    assert one.lookup_vote(0, None, _toks(1, 2, 3), 3, 2) == ([], 0, "")
+    # the request's lookup kind: source, key length, agreement
+    prior = AcceptancePrior(max_cands=3)
+    state = _state(prior)
+    assert lookup(state, key, len(key), 2, True, mem) and state.lookup_kind == "memory12-"
+    state = _state(prior)
+    assert lookup(state, key, len(key), 2, True, one) and state.lookup_kind == "memory12"
+
+
+def test_every_lookup_kind_has_a_prior_and_agreement_moves_it():
+    from vllm_lookahead.acceptance import MATCH_KINDS, RequestAcceptance
+    from vllm_lookahead.state import AGREEMENTS
+
+    prior = AcceptancePrior(max_cands=3, p_unchecked=0.5)
+    assert set(LOOKUP_KINDS) == set(prior.p_unchecked)
+    assert set(LOOKUP_KINDS) == {f"{m}{a}" for m in MATCH_KINDS for a in AGREEMENTS} | {"pool"}
+    for m in MATCH_KINDS:
+        assert prior.p_unchecked[f"{m}-"] < prior.p_unchecked[m] < prior.p_unchecked[f"{m}+"]
+    acc = RequestAcceptance(prior)
+    assert set(acc.unchecked) == set(LOOKUP_KINDS)
+    assert acc.unchecked_gain(4, "suffix3+") > acc.unchecked_gain(4, "suffix3-")

@@ -490,3 +490,34 @@ def test_suffix_match_votes_when_asked():
     # the longest key's places vote alone: "0 1 2" came before 7 8 once
     # and 9 9 once (a tie: the newest)
     assert suffix_match(toks, len(toks), 2, max_len=3, min_prob=0.1) == ([9, 9], 3)
+
+
+def test_agreement_of_the_places_on_the_first_token():
+    from vllm_lookahead.state import AGREEMENTS, agreement
+
+    assert agreement([[4, 5]], [4, 5]) == ""  # one place: nothing to agree
+    assert agreement([[4, 5], [4, 6]], [4, 5]) == "+"  # the first token unanimous
+    assert agreement([[4, 5], [4, 5], [3, 5]], [4, 5]) == "-"  # a place continues otherwise
+    assert agreement([[4], [3]], []) == ""  # no draft
+    assert set(AGREEMENTS) == {"", "+", "-"}
+
+
+def test_suffix_vote_says_how_the_places_agreed():
+    from vllm_lookahead.state import suffix_match, suffix_vote
+
+    toks = np.array([1, 2, 7, 8, 0, 1, 2, 7, 8, 0, 1, 2, 9, 9, 0, 1, 2], np.int32)
+    # "1 2": 7 8 twice, 9 9 once: voted 7 8, split
+    assert suffix_vote(toks, len(toks), 2, max_len=2, min_prob=0.1) == ([7, 8], 2, "-")
+    # the longest key, "0 1 2": 7 8 and 9 9 after it, one place each: split
+    assert suffix_vote(toks, len(toks), 2, max_len=3, min_prob=0.1) == ([9, 9], 3, "-")
+    same = np.array([1, 2, 7, 8, 0, 1, 2, 7, 5, 0, 1, 2], np.int32)
+    # both places go on with 7 (unanimous), then part (a tie: the newest)
+    assert suffix_vote(same, len(same), 2, max_len=2, min_prob=0.1) == ([7, 5], 2, "+")
+    once = np.array([1, 2, 7, 8, 0, 1, 2], np.int32)
+    assert suffix_vote(once, len(once), 2, max_len=2, min_prob=0.1) == ([7, 8], 2, "")
+    # the newest place alone (no vote): no agreement either
+    assert suffix_vote(toks, len(toks), 2, max_len=2) == ([9, 9], 2, "")
+    assert suffix_vote(once, len(once), 0) == ([], 0, "")
+    for t in (toks, same, once):
+        assert suffix_match(t, len(t), 2, min_prob=0.1) == suffix_vote(t, len(t), 2,
+                                                                    min_prob=0.1)[:2]

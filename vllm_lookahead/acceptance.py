@@ -38,11 +38,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-#: Kinds of unchecked lookup, learnt apart: the continuation of a 4-, 3- or
-#: 2-token suffix seen earlier in the text, of a 12-, 6- or 3-token suffix
-#: in the engine's shared memory (other requests' text, :mod:`.memory`), or
+#: Kinds of lookup by source and key length: the continuation of a 4-, 3-
+#: or 2-token suffix seen earlier in the text, of a 12-, 6- or 3-token
+#: suffix in the engine's shared memory (other requests' text,
+#: :mod:`.memory`).
+MATCH_KINDS = ("suffix4", "suffix3", "suffix2", "memory12", "memory6", "memory3")
+#: How a match kind's prior acceptance compares with the base (a longer key
+#: predicts its continuation better).
+_MATCH_PRIOR = {"suffix4": 1.0, "suffix3": 0.9, "suffix2": 0.8,
+                "memory12": 1.0, "memory6": 0.9, "memory3": 0.7}
+#: The agreement classes (``state.AGREEMENTS``: one place, unanimous,
+#: split) and their prior factors.
+AGREEMENT_PRIOR = {"": 1.0, "+": 1.2, "-": 0.6}
+#: Kinds of unchecked lookup, learnt apart: a match kind with the places'
+#: agreement on its first token (``"suffix3"``: one place, ``"suffix3+"``:
+#: every place agreeing, ``"suffix3-"``: split; ``state.agreement``), or
 #: the pool's guess for the newest token alone.
-LOOKUP_KINDS = ("suffix4", "suffix3", "suffix2", "memory12", "memory6", "memory3", "pool")
+LOOKUP_KINDS = tuple(f"{m}{a}" for m in MATCH_KINDS for a in AGREEMENT_PRIOR) + ("pool",)
 
 
 def geometric_gain(p: float, k: int) -> float:
@@ -115,10 +127,10 @@ class AcceptancePrior:
     def __post_init__(self) -> None:
         if not isinstance(self.p_unchecked, dict):
             p = 0.5 if self.p_unchecked is None else float(self.p_unchecked)
-            # a longer matched suffix predicts its continuation better
-            self.p_unchecked = {"suffix4": p, "suffix3": p * 0.9, "suffix2": p * 0.8,
-                                "memory12": p, "memory6": p * 0.9, "memory3": p * 0.7,
-                                "pool": p * 0.6}
+            self.p_unchecked = {f"{m}{a}": min(p * f * g, 0.95)
+                                for m, f in _MATCH_PRIOR.items()
+                                for a, g in AGREEMENT_PRIOR.items()}
+            self.p_unchecked["pool"] = p * 0.6
         if not self.tree_cands:
             # Before any tree ran: LADE's figures (about one confirmed token
             # per step with a handful of candidates), rising with g.

@@ -29,7 +29,7 @@ from vllm_lookahead.state import (
     choose_candidate,
     request_seed,
     suffix_lookup,
-    suffix_match,
+    suffix_vote,
 )
 from vllm_lookahead.trees import PlannedTree
 
@@ -127,18 +127,23 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
     (:class:`~vllm_lookahead.memory.SharedMemory`) matches a longer one in
     other requests' text (12, 6 or 3 tokens: its own text wins ties); else
     the pool's most often seen (then newest) continuation of the newest
-    token (without one: the newest another request's window produced). ``tokens``: int [>= n_tok] the request's tokens. Sets
-    ``state.lookup_sources`` and ``state.lookup_kind``."""
+    token (without one: the newest another request's window produced).
+    ``tokens``: int [>= n_tok] the request's tokens. Sets
+    ``state.lookup_sources`` and ``state.lookup_kind`` (the source, the
+    key's length and the places' agreement on the first token,
+    :func:`~vllm_lookahead.state.agreement`: ``"suffix3+"``,
+    ``"memory6-"``, ``"suffix4"``, ..., or ``"pool"``)."""
     n = state.settings.ngram_size
     k = min(room if room > 0 else n, max(n, state.settings.lookup_len))
     draft, source, matched = [], SOURCE_PROMPT, 0
+    agree = ""
     if prompt_pool:
-        draft, matched = suffix_match(tokens, n_tok, k, min_prob=MIN_PROB)
-    state.lookup_kind = f"suffix{matched}" if draft else "pool"
+        draft, matched, agree = suffix_vote(tokens, n_tok, k, min_prob=MIN_PROB)
+    state.lookup_kind = f"suffix{matched}{agree}" if draft else "pool"
     if memory is not None and state.memory_reads:
-        mem, m = memory.lookup(state.memory_scope, state.memory_doc, tokens, n_tok, k)
+        mem, m, agree = memory.lookup_vote(state.memory_scope, state.memory_doc, tokens, n_tok, k)
         if mem and m > matched:
-            draft, source, state.lookup_kind = mem, SOURCE_MEMORY, f"memory{m}"
+            draft, source, state.lookup_kind = mem, SOURCE_MEMORY, f"memory{m}{agree}"
     if not draft:
         cands = state.pool.get(int(tokens[n_tok - 1]))[: state.settings.guess_set_size]
         if not cands and memory is not None and state.memory_reads:

@@ -57,7 +57,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from vllm_lookahead.state import MAX_PLACES, MIN_PROB, vote_draft
+from vllm_lookahead.state import MAX_PLACES, MIN_PROB, agreement, vote_draft
 
 #: Key lengths looked up, longest first: a long key names the context (the
 #: question before an answer), a short one finds phrases.
@@ -261,9 +261,17 @@ class SharedMemory:
     # -- reading -----------------------------------------------------------
     def lookup(self, scope: int, own: int | None, text: np.ndarray, n: int,
                k: int) -> tuple[list[int], int]:
+        """:meth:`lookup_vote` without the agreement."""
+        cont, m, _ = self.lookup_vote(scope, own, text, n, k)
+        return cont, m
+
+    def lookup_vote(self, scope: int, own: int | None, text: np.ndarray, n: int,
+                    k: int) -> tuple[list[int], int, str]:
         """What followed the longest key (:data:`KEY_LENS`) of
         ``text[:n]``'s suffix in the other documents of ``scope``: at most
-        ``k`` tokens, and the key's length; ``([], 0)`` for none.
+        ``k`` tokens, the key's length, and the places'
+        :func:`~vllm_lookahead.state.agreement` on its first token;
+        ``([], 0, "")`` for none.
         ``own``: the asking request's document (never answered from).
 
         The newest :data:`MAX_PLACES` places of the key vote, token by
@@ -273,7 +281,7 @@ class SharedMemory:
         places that agree with it all the way falls below ``min_prob``
         (one place: its whole continuation, as far as it goes)."""
         if k <= 0:
-            return [], 0
+            return [], 0, ""
         mask = self._mask
         for t, m in enumerate(KEY_LENS):
             if n < m:
@@ -286,8 +294,8 @@ class SharedMemory:
                 continue
             cont = vote_draft(conts, k, self.min_prob)
             if cont:
-                return cont, m
-        return [], 0
+                return cont, m, agreement(conts, cont)
+        return [], 0, ""
 
     def _continuations(self, t: int, doc_id: int, j: int, scope: int, own: int | None,
                        key: list[int], k: int) -> list[list[int]]:

@@ -262,8 +262,17 @@ def suffix_match(tokens: np.ndarray, n: int, k: int, min_len: int = 2,
     Returns:
         (continuation, length of the matched suffix); ``([], 0)`` for none.
     """
+    cont, m, _ = suffix_vote(tokens, n, k, min_len, max_len, min_prob, max_places)
+    return cont, m
+
+
+def suffix_vote(tokens: np.ndarray, n: int, k: int, min_len: int = 2,
+                max_len: int = 4, min_prob: float | None = None,
+                max_places: int = MAX_PLACES) -> tuple[list[int], int, str]:
+    """:func:`suffix_match` and the places' :func:`agreement` on its first
+    token: ``(continuation, matched length, agreement)``."""
     if k <= 0 or n - 1 < min_len:
-        return [], 0
+        return [], 0, ""
     t = np.asarray(tokens[:n])
     # Ends e <= n - 2 of the earlier places where the last min_len tokens
     # occur (one pass over the text; the suffix itself ends at n - 1),
@@ -273,7 +282,7 @@ def suffix_match(tokens: np.ndarray, n: int, k: int, min_len: int = 2,
         hit &= t[min_len - 1 - j: n - 1 - j] == t[n - 1 - j]
     ends = np.flatnonzero(hit) + (min_len - 1)
     if not ends.size:
-        return [], 0
+        return [], 0, ""
     for m in range(min(max_len, n - 1), min_len, -1):
         longer = ends[ends >= m - 1]
         for j in range(min_len, m):
@@ -281,18 +290,22 @@ def suffix_match(tokens: np.ndarray, n: int, k: int, min_len: int = 2,
                 break
             longer = longer[t[longer - j] == t[n - 1 - j]]
         if longer.size:
-            return _continue(t, longer, k, min_prob, max_places), m
-    return _continue(t, ends, k, min_prob, max_places), min_len
+            cont, agree = _continue(t, longer, k, min_prob, max_places)
+            return cont, m, agree
+    cont, agree = _continue(t, ends, k, min_prob, max_places)
+    return cont, min_len, agree
 
 
 def _continue(t: np.ndarray, ends: np.ndarray, k: int, min_prob: float | None,
-              max_places: int) -> list[int]:
-    """The draft after the places ending at ``ends`` (ascending) of ``t``."""
+              max_places: int) -> tuple[list[int], str]:
+    """The draft after the places ending at ``ends`` (ascending) of ``t``,
+    and the places' :func:`agreement`."""
     if min_prob is None or ends.size == 1:
         e = int(ends[-1])
-        return t[e + 1: e + 1 + k].tolist()
+        return t[e + 1: e + 1 + k].tolist(), ""
     conts = [t[e + 1: e + 1 + k].tolist() for e in ends[::-1][:max_places].tolist()]
-    return vote_draft(conts, k, min_prob)
+    draft = vote_draft(conts, k, min_prob)
+    return draft, agreement(conts, draft)
 
 
 def vote_draft(conts: list[list[int]], k: int, min_prob: float) -> list[int]:
@@ -324,6 +337,27 @@ def vote_draft(conts: list[list[int]], k: int, min_prob: float) -> list[int]:
         out.append(tok)
         agree = [c for c in agree if d < len(c) and c[d] == tok]
     return out
+
+
+#: Agreement classes of a voted lookup (:func:`agreement`): one place, all
+#: places agreeing on its first token, the places split.
+AGREEMENTS = ("", "+", "-")
+
+
+def agreement(conts: list[list[int]], draft: list[int]) -> str:
+    """How the places a draft was voted from (their continuations) agree
+    on its first token: ``""`` one place (or no draft), ``"+"`` two or more
+    places, every one continuing with it, ``"-"`` some place continuing
+    otherwise. On sampled text (SmolLM2, T 0.8, top-p 0.95; HumanEval and
+    MT-Bench at n 4, the template set; replayed), the first token of a
+    unanimous draft matched the sample 73-98% of the time, of a split one
+    11-57%, of a one-place one 34-87%, by key kind and length (cells of
+    14 drafts or more): the planner learns the classes apart
+    (``acceptance.LOOKUP_KINDS``)."""
+    if len(conts) < 2 or not draft:
+        return ""
+    first = draft[0]
+    return "+" if all(c and c[0] == first for c in conts) else "-"
 
 
 def choose_candidate(
