@@ -41,10 +41,14 @@ Methods:
 Per method: draft tokens per position, accepted tokens per position (the
 tokens a step would gain if every position drafted), and their ratio.
 What a draft costs is left out: that is the planner's side (and the timed
-benchmarks').
+benchmarks'). With ``--by-kind``, lookahead's drafts (``lookahead``,
+``lookahead:16``) by lookup kind as the planner learns them apart
+(``acceptance.LOOKUP_KINDS``: source, key length, the places' agreement
+on the first token): the share whose first token matched, accepted and
+drafted tokens per draft.
 
     .venv/bin/python benchmarks/replay_drafts.py [--n 16] [--prompts 8] \\
-        [--samples benchmarks/results/replay_samples.json]
+        [--samples benchmarks/results/replay_samples.json] [--by-kind]
 
 Prints the table, writes ``benchmarks/results/replay_drafts.json`` and a
 plot next to it.
@@ -86,6 +90,9 @@ def _parse(argv):
                    help="replay each prompt's samples as requests asked one after another "
                         "(pass k: sample k of every prompt, one request at a time) instead "
                         "of a batch of siblings")
+    p.add_argument("--by-kind", action="store_true",
+                   help="also print lookahead's drafts by lookup kind (source, key length, "
+                        "the places' agreement on the first token)")
     p.add_argument("--out", default="benchmarks/results/replay_drafts.json")
     return p.parse_args(argv)
 
@@ -158,7 +165,9 @@ class LookaheadDrafter:
         st = self.states[rid]
         toks = np.asarray(text, dtype=np.int64)
         st.add_context_ngrams(toks, self.settings.ngram_size, len(toks))
-        return lookup(st, toks, len(toks), self.k, True, self.memory)
+        draft = lookup(st, toks, len(toks), self.k, True, self.memory)
+        self.kind = st.lookup_kind  # read by replay's per-kind figures
+        return draft
 
     def stop(self, rid: str) -> None:
         st = self.states.pop(rid)
@@ -229,6 +238,7 @@ def replay(items: list[dict], drafter) -> dict:
     ``draft_tokens`` and ``accepted`` summed, ``drafted`` (positions with a
     draft) and their ratios."""
     positions = draft_tokens = accepted = drafted = 0
+    by_kind: dict[str, list[int]] = {}  # kind -> [drafts, first token right, accepted, tokens]
     rid = 0
     for item in items:
         prompt, samples = list(item["prompt"]), item["samples"]
@@ -246,16 +256,28 @@ def replay(items: list[dict], drafter) -> dict:
                 if t == 0 or t >= len(s):
                     continue
                 d = drafter.draft(ids[i], texts[i])
+                a = accepted_len(d, s[t:])
                 positions += 1
                 draft_tokens += len(d)
                 drafted += bool(d)
-                accepted += accepted_len(d, s[t:])
+                accepted += a
+                kind = getattr(drafter, "kind", None)
+                if d and kind is not None:
+                    row = by_kind.setdefault(kind, [0, 0, 0, 0])
+                    row[0] += 1
+                    row[1] += a > 0
+                    row[2] += a
+                    row[3] += len(d)
         for r in ids:
             drafter.stop(r)
     p = max(positions, 1)
-    return dict(positions=positions, drafted=drafted, draft_tokens=draft_tokens,
-                accepted=accepted, draft_per_pos=draft_tokens / p, accepted_per_pos=accepted / p,
-                rate=accepted / max(draft_tokens, 1))
+    out = dict(positions=positions, drafted=drafted, draft_tokens=draft_tokens,
+               accepted=accepted, draft_per_pos=draft_tokens / p, accepted_per_pos=accepted / p,
+               rate=accepted / max(draft_tokens, 1))
+    if by_kind:
+        out["by_kind"] = {k: dict(drafts=n, first=f / n, accepted=a / n, tokens=t / n)
+                          for k, (n, f, a, t) in sorted(by_kind.items())}
+    return out
 
 
 def as_passes(items: list[dict]) -> list[dict]:
@@ -273,6 +295,18 @@ def _table(results: dict) -> str:
         for m, r in by.items():
             lines.append(f"{ds:10s} {m:14s} {r['positions']:9d} {r['drafted'] / max(r['positions'], 1):8.2f} "
                          f"{r['draft_per_pos']:8.2f} {r['accepted_per_pos']:8.3f} {r['rate']:6.3f}")
+    return "\n".join(lines)
+
+
+def _kind_table(results: dict, method: str = "lookahead") -> str:
+    """Per set, ``method``'s drafts by lookup kind (``drafting.lookup``:
+    source, key length, the places' agreement): how many, the share whose
+    first token matched, accepted and draft tokens per draft."""
+    lines = [f"{'set':10s} {'kind':10s} {'drafts':>7s} {'first':>6s} {'acc':>6s} {'tokens':>6s}"]
+    for ds, by in results.items():
+        for kind, r in by.get(method, {}).get("by_kind", {}).items():
+            lines.append(f"{ds:10s} {kind:10s} {r['drafts']:7d} {r['first']:6.2f} "
+                         f"{r['accepted']:6.2f} {r['tokens']:6.2f}")
     return "\n".join(lines)
 
 
@@ -319,6 +353,10 @@ def main(argv=None) -> None:
     results = {ds: {name: replay(items, make()) for name, make in drafters().items()}
                for ds, items in data.items()}
     print(_table(results))
+    if args.by_kind:
+        for method in ("lookahead", "lookahead:16"):
+            print(f"\n{method}, drafts by lookup kind:")
+            print(_kind_table(results, method))
     save_results(args.out, vars(args), results, _plot,
                  sys.argv if argv is None else ["replay_drafts.py", *argv])
 

@@ -954,6 +954,28 @@ def test_replay_lookahead_memory_drafts_an_earlier_requests_text():
     assert replay_drafts.replay(lockstep, replay_drafts.LookaheadDrafter(True))["accepted"] == 0
 
 
+def test_replay_counts_lookahead_drafts_by_kind():
+    """The repeat's drafts come from the memory's 12-token key, one place
+    each (the first answer): ``memory12``, first tokens right; the kind
+    table prints them."""
+    import replay_drafts
+
+    prompt = list(range(1000, 1030))
+    text = list(range(2000, 2040))
+    again = [{"prompt": prompt, "samples": [text]}, {"prompt": prompt, "samples": [text]}]
+    r = replay_drafts.replay(again, replay_drafts.LookaheadDrafter(True))
+    kinds = r["by_kind"]
+    assert sum(k["drafts"] for k in kinds.values()) == r["drafted"]
+    assert kinds["memory12"]["drafts"] >= len(text) - 16 and kinds["memory12"]["first"] == 1.0
+    table = replay_drafts._kind_table({"set": {"lookahead": r}})
+    assert "memory12" in table and table.count("\n") == len(kinds)
+    # a drafter without kinds (suffix's) gives none
+    assert "by_kind" not in replay_drafts.replay(
+        [{"prompt": prompt, "samples": [text]}], type("D", (), {
+            "start": lambda *a: None, "feed": lambda *a: None, "stop": lambda *a: None,
+            "draft": lambda self, rid, t: [1]})())
+
+
 def test_replay_suffix_drafter_when_installed():
     import replay_drafts
 
