@@ -175,6 +175,32 @@ class LookaheadDrafter:
             self.memory.close(st.memory_doc)
 
 
+class NgramDrafter:
+    """vLLM's ``ngram`` method (prompt lookup): the ``k`` tokens after the
+    earliest place of the longest 2-4 token suffix of the text (vLLM's own
+    function, ``NgramProposer``'s defaults as ``bench.py`` runs it)."""
+
+    def __init__(self, k: int = 4) -> None:
+        from vllm.v1.spec_decode.ngram_proposer import (
+            _find_longest_matched_ngram_and_propose_tokens as find,
+        )
+
+        self.k, self.find = k, find
+
+    def start(self, rid: str, prompt: list[int]) -> None:
+        pass
+
+    def feed(self, rid: str, token: int) -> None:
+        pass
+
+    def draft(self, rid: str, text: list[int]) -> list[int]:
+        toks = np.asarray(text, dtype=np.int32)
+        return self.find(toks, 2, 4, 1 << 30, self.k).tolist()
+
+    def stop(self, rid: str) -> None:
+        pass
+
+
 class SuffixDrafter:
     """Arctic Inference's suffix cache, driven as vLLM's ``suffix`` method
     drives it (vLLM's defaults)."""
@@ -208,6 +234,7 @@ def drafters() -> dict[str, Callable[[], object]]:
         "lookahead": lambda: LookaheadDrafter(True),
         "lookahead-own": lambda: LookaheadDrafter(False),
         "lookahead:16": lambda: LookaheadDrafter(True, lookup_len=16),
+        "ngram:4": NgramDrafter,
     }
     try:
         import arctic_inference.suffix_decoding  # noqa: F401

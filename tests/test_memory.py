@@ -293,16 +293,29 @@ def test_planner_prices_a_long_lookup(p, per_token, lo, hi):
 
 
 def test_planner_drafts_a_unanimous_lookup_and_skips_a_split_one_of_the_same_key():
-    """The kinds learnt apart: the same key length, its places agreeing or
-    split, priced by what each kind was accepted at."""
+    """A key kind's rate is learnt per request over every agreement class;
+    the engine's class factors (learnt from every request's matches) part
+    a unanimous match from a split one of the same kind."""
     from vllm_lookahead.acceptance import RequestAcceptance
     from vllm_lookahead.cost_model import CostCurve, CostModel
     from vllm_lookahead.planner import RequestView
 
-    acc = RequestAcceptance(AcceptancePrior(max_cands=3))
-    for kind, p in (("suffix3+", 0.9), ("suffix3-", 0.05)):
-        acc.unchecked[kind].hits, acc.unchecked[kind].misses = p * 1000, (1 - p) * 1000
-    # a draft token costs a tenth of a step: worth it at 0.9, not at 0.05
+    prior = AcceptancePrior(max_cands=3)
+    for _ in range(400):  # unanimous matches run on, split ones miss at once
+        prior.observe_agreement("+", 8, True)
+        prior.observe_agreement("-", 0, True)
+        prior.observe_agreement("", 1, True)
+    # pooled, the matches ran at 9 tokens in 12 (0.75): "+" at 8 in 9
+    assert prior.agreement_factor("+") == pytest.approx(8 / 9 / 0.75, rel=0.02)
+    assert prior.agreement_factor("-") < 0.05
+    acc = RequestAcceptance(prior)
+    acc.unchecked["suffix3"].hits, acc.unchecked["suffix3"].misses = 750, 250
+    assert acc.unchecked_p("suffix3+") == pytest.approx(8 / 9, rel=0.02)
+    assert acc.unchecked_p("suffix3-") < 0.05
+    acc.unchecked["suffix3"].hits = 10_000
+    assert acc.unchecked_p("suffix3+") == pytest.approx(0.98)  # lifted at most to P_MAX
+    assert acc.unchecked_p("pool") == acc.unchecked["pool"].p  # no class
+    # a draft token costs a tenth of a step: worth it at 0.98, not at 0.05
     curve = CostCurve({1: [(t, 0.05 * (1 + 0.1 * (t - 1))) for t in (1, 2, 4, 8)]})
     planner = Planner(CostModel(curve))
     shapes = {}
@@ -312,6 +325,26 @@ def test_planner_drafts_a_unanimous_lookup_and_skips_a_split_one_of_the_same_key
         (shapes[kind],) = planner.plan([v])
     assert shapes["suffix3+"].kind == "draft" and shapes["suffix3+"].draft >= 2
     assert shapes["suffix3-"].kind == "off"
+
+
+def test_a_probe_teaches_its_key_kind_and_its_class():
+    from vllm_lookahead.acceptance import AGREEMENT_PRIOR, RequestAcceptance
+
+    prior = AcceptancePrior(max_cands=3)
+    assert {a: prior.agreement_factor(a) for a in prior.agreement} == \
+        pytest.approx(AGREEMENT_PRIOR)  # as assumed before any match
+    acc = RequestAcceptance(prior)
+    before = acc.unchecked["memory6"].hits, prior.agreement["+"].hits
+    acc.observe_unchecked([1, 2, 3], [1, 2], "memory6+")
+    acc.observe_unchecked([], [3], "memory6+")  # the probe's end: all 3 matched
+    assert acc.unchecked["memory6"].hits > before[0]
+    assert prior.agreement["+"].hits > before[1]
+    assert "memory6+" not in acc.unchecked
+    # the pool's guesses teach no class
+    total = sum(r.hits + r.misses for r in prior.agreement.values())
+    acc.observe_unchecked([5], [6], "pool")
+    assert sum(r.hits + r.misses for r in prior.agreement.values()) == pytest.approx(total)
+    assert "agreement_factors" in prior.snapshot()
 
 
 # -- the windows' harvest ----------------------------------------------------
@@ -454,17 +487,3 @@ def test_a_lookup_says_how_the_places_agreed_and_its_kind_carries_it():
     assert lookup(state, key, len(key), 2, True, mem) and state.lookup_kind == "memory12-"
     state = _state(prior)
     assert lookup(state, key, len(key), 2, True, one) and state.lookup_kind == "memory12"
-
-
-def test_every_lookup_kind_has_a_prior_and_agreement_moves_it():
-    from vllm_lookahead.acceptance import MATCH_KINDS, RequestAcceptance
-    from vllm_lookahead.state import AGREEMENTS
-
-    prior = AcceptancePrior(max_cands=3, p_unchecked=0.5)
-    assert set(LOOKUP_KINDS) == set(prior.p_unchecked)
-    assert set(LOOKUP_KINDS) == {f"{m}{a}" for m in MATCH_KINDS for a in AGREEMENTS} | {"pool"}
-    for m in MATCH_KINDS:
-        assert prior.p_unchecked[f"{m}-"] < prior.p_unchecked[m] < prior.p_unchecked[f"{m}+"]
-    acc = RequestAcceptance(prior)
-    assert set(acc.unchecked) == set(LOOKUP_KINDS)
-    assert acc.unchecked_gain(4, "suffix3+") > acc.unchecked_gain(4, "suffix3-")

@@ -38,23 +38,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-#: Kinds of lookup by source and key length: the continuation of a 4-, 3-
-#: or 2-token suffix seen earlier in the text, of a 12-, 6- or 3-token
-#: suffix in the engine's shared memory (other requests' text,
-#: :mod:`.memory`).
-MATCH_KINDS = ("suffix4", "suffix3", "suffix2", "memory12", "memory6", "memory3")
-#: How a match kind's prior acceptance compares with the base (a longer key
-#: predicts its continuation better).
-_MATCH_PRIOR = {"suffix4": 1.0, "suffix3": 0.9, "suffix2": 0.8,
-                "memory12": 1.0, "memory6": 0.9, "memory3": 0.7}
-#: The agreement classes (``state.AGREEMENTS``: one place, unanimous,
-#: split) and their prior factors.
+#: Kinds of unchecked lookup, learnt apart per request: the continuation
+#: of a 4-, 3- or 2-token suffix seen earlier in the text, of a 12-, 6- or
+#: 3-token suffix in the engine's shared memory (other requests' text,
+#: :mod:`.memory`), or the pool's guess for the newest token alone.
+LOOKUP_KINDS = ("suffix4", "suffix3", "suffix2", "memory12", "memory6", "memory3", "pool")
+#: The kinds that match a key (all but the pool's guess).
+MATCH_KINDS = LOOKUP_KINDS[:-1]
+#: How the key's places agreed on a match's first token
+#: (``state.agreement``, appended to its kind: ``"suffix3+"``): one place,
+#: every place the same, split; and the factor of each class's acceptance
+#: over all matches' assumed before any was seen. Learnt engine-wide
+#: (:meth:`AcceptancePrior.agreement_factor`): a request sees too few of
+#: each class to learn them itself.
 AGREEMENT_PRIOR = {"": 1.0, "+": 1.2, "-": 0.6}
-#: Kinds of unchecked lookup, learnt apart: a match kind with the places'
-#: agreement on its first token (``"suffix3"``: one place, ``"suffix3+"``:
-#: every place agreeing, ``"suffix3-"``: split; ``state.agreement``), or
-#: the pool's guess for the newest token alone.
-LOOKUP_KINDS = tuple(f"{m}{a}" for m in MATCH_KINDS for a in AGREEMENT_PRIOR) + ("pool",)
+#: The share of matches assumed of each class (so that the pooled rate the
+#: factors divide by starts at the one-place rate: every factor as
+#: assumed).
+AGREEMENT_MIX = {"": 0.625, "+": 0.25, "-": 0.125}
+#: Highest per-token acceptance a class factor may lift an estimate to.
+P_MAX = 0.98
+
+
+def split_kind(kind: str) -> tuple[str, str]:
+    """``"suffix3+"`` -> ``("suffix3", "+")``; ``"pool"`` -> ``("pool", "")``."""
+    if kind and kind[-1] in "+-":
+        return kind[:-1], kind[-1]
+    return kind, ""
 
 
 def geometric_gain(p: float, k: int) -> float:
@@ -127,10 +137,17 @@ class AcceptancePrior:
     def __post_init__(self) -> None:
         if not isinstance(self.p_unchecked, dict):
             p = 0.5 if self.p_unchecked is None else float(self.p_unchecked)
-            self.p_unchecked = {f"{m}{a}": min(p * f * g, 0.95)
-                                for m, f in _MATCH_PRIOR.items()
-                                for a, g in AGREEMENT_PRIOR.items()}
-            self.p_unchecked["pool"] = p * 0.6
+            # a longer matched suffix predicts its continuation better
+            self.p_unchecked = {"suffix4": p, "suffix3": p * 0.9, "suffix2": p * 0.8,
+                                "memory12": p, "memory6": p * 0.9, "memory3": p * 0.7,
+                                "pool": p * 0.6}
+        # per agreement class, the matches' per-token acceptance (forgetting
+        # slowly), from pseudo-counts at the assumed factors of 0.5, in the
+        # assumed mix
+        w = self.AGREEMENT_WEIGHT
+        self.agreement = {a: _Rate(0.5 * f * w * AGREEMENT_MIX[a],
+                                   (1 - 0.5 * f) * w * AGREEMENT_MIX[a])
+                          for a, f in AGREEMENT_PRIOR.items()}
         if not self.tree_cands:
             # Before any tree ran: LADE's figures (about one confirmed token
             # per step with a handful of candidates), rising with g.
@@ -150,6 +167,10 @@ class AcceptancePrior:
     planned: float = 0.0
     seen: float = 0.0
     calibration: float = 1.0
+    #: Pseudo-counts of the agreement classes' assumed rates (all classes
+    #: together), and the forgetting of their counts per probe.
+    AGREEMENT_WEIGHT = 32.0
+    AGREEMENT_KEEP = 0.998
     CALIBRATION_KEEP = 0.98
     CALIBRATION_AFTER = 8.0
     CALIBRATION_MIN = 0.3
@@ -172,6 +193,23 @@ class AcceptancePrior:
     def learn_unchecked(self, kind: str, p: float) -> None:
         self.p_unchecked[kind] += self.ema * (p - self.p_unchecked[kind])
 
+    def observe_agreement(self, agree: str, hits: int, missed: bool) -> None:
+        """A scored match of agreement class ``agree``: ``hits`` tokens
+        matched, then a miss (``missed``) or its end."""
+        self.agreement[agree].add(hits, missed, self.AGREEMENT_KEEP)
+
+    def agreement_factor(self, agree: str) -> float:
+        """The class's per-token acceptance over all matches' (the classes'
+        counts pooled): what a match's estimate, learnt over every class,
+        is multiplied by for a match of this class."""
+        rates = self.agreement.values()
+        hits, misses = sum(r.hits for r in rates), sum(r.misses for r in rates)
+        total = hits / (hits + misses) if hits + misses > 0 else 0.0
+        return self.agreement[agree].p / total if total > 0 else 1.0
+
+    def max_agreement_factor(self) -> float:
+        return max(self.agreement_factor(a) for a in self.agreement)
+
     def learn_checked(self, p: float) -> None:
         self.p_checked += self.ema * (p - self.p_checked)
 
@@ -193,6 +231,8 @@ class AcceptancePrior:
             "tree_window_extra": round(self.tree_window, 3),
             "trees_seen": self.trees_seen,
             "unchecked_calibration": round(self.calibration, 3),
+            "agreement_factors": {a or "one": round(self.agreement_factor(a), 3)
+                                  for a in self.agreement},
         }
 
 
@@ -231,10 +271,22 @@ class RequestAcceptance:
         self.bounded = False
 
     # -- what the planner reads ------------------------------------------------
+    def unchecked_p(self, kind: str = "suffix4") -> float:
+        """Per-token acceptance of an unchecked draft of ``kind`` (a
+        :data:`LOOKUP_KINDS` entry, a match's with its agreement class
+        appended): the request's rate of the kind, times the engine's
+        factor of the class (:meth:`AcceptancePrior.agreement_factor`) for
+        a match, at most :data:`P_MAX` then."""
+        base, agree = split_kind(kind)
+        p = self.unchecked[base].p
+        if base == "pool":
+            return p
+        return min(p * self.prior.agreement_factor(agree), max(p, P_MAX))
+
     def unchecked_gain(self, k: int, kind: str = "suffix4") -> float:
         """Expected accepted tokens of a k-token unchecked draft, scaled by
         the engine's calibration (:meth:`AcceptancePrior.calibrate`)."""
-        return geometric_gain(self.unchecked[kind].p, k) * self.prior.calibration
+        return geometric_gain(self.unchecked_p(kind), k) * self.prior.calibration
 
     def tree_gain(self, g: int, window: float) -> float:
         """Expected confirmed tokens of a tree with ``g`` candidates and
@@ -281,12 +333,14 @@ class RequestAcceptance:
         self._probe_hits = hits
 
     def _end_probe(self, hits: int, missed: bool) -> None:
-        kind = self._probe_kind
+        kind, agree = split_kind(self._probe_kind)
         self._probe = None
         self.seen += 1
         rate = self.unchecked[kind]
         rate.add(hits, missed, self.keep)
         self.prior.learn_unchecked(kind, rate.p)
+        if kind != "pool":
+            self.prior.observe_agreement(agree, hits, missed)
 
     def observe_checked(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:

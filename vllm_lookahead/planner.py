@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import NamedTuple
 
-from vllm_lookahead.acceptance import RequestAcceptance, geometric_gain, window_root
+from vllm_lookahead.acceptance import P_MAX, RequestAcceptance, geometric_gain, window_root
 from vllm_lookahead.attn_mask import tree_size
 from vllm_lookahead.siblings import end_shares
 
@@ -215,6 +215,7 @@ class BestCase:
         accs = [v.acc for v in views]
         p_u = max([max(prior.p_unchecked.values())]
                   + [max(r.p for r in a.unchecked.values()) for a in accs])
+        p_u = min(p_u * max(1.0, prior.max_agreement_factor()), max(p_u, P_MAX))
         p_c = max([prior.p_checked] + [a.checked.p for a in accs])
         trees: dict = {}
         for v in views:

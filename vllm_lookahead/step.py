@@ -177,7 +177,7 @@ class StepDrafter:
             remaining.append(None if st.max_tokens is None
                              else st.max_tokens - (r.n_tok - st.num_prompt_tokens))
             # its typical draft: its last lookup's kind, N - 1 tokens
-            draws.append((st.acc.unchecked[st.lookup_kind].p * st.acc.prior.calibration,
+            draws.append((st.acc.unchecked_p(st.lookup_kind) * st.acc.prior.calibration,
                           max(1, min(st.settings.ngram_size - 1, r.room))))
         w = sibling_weights(groups, remaining, lambda k: self.planner.drain_value(batch, k),
                             lambda k: self.planner.end_value(batch, k), draws)
@@ -352,7 +352,7 @@ def catch_up_draft_len(state, room: int) -> int:
     chain for the next step."""
     if room <= 0 or not state.lookup:
         return 0
-    p = state.acc.unchecked[state.lookup_kind].p
+    p = state.acc.unchecked_p(state.lookup_kind)
     k, q = 0, p
     while k < min(room, len(state.lookup)) and q >= CATCH_UP_DRAFT_P:
         k += 1
