@@ -139,6 +139,12 @@ def section_figures(raw: dict[str, Any]) -> dict[str, Any]:
             shapes = {k: v - shapes_b.get(k, 0) for k, v in shapes_a.items()}
             fig["planner_shapes"] = {k: v for k, v in sorted(shapes.items(), key=lambda kv: -kv[1])
                                      if v > 0}
+        kinds_b, kinds_a = la_b.get("drafts_by_kind") or {}, la_a.get("drafts_by_kind") or {}
+        if isinstance(kinds_a, dict):
+            # [drafts, draft tokens, accepted tokens] of the section per kind
+            kinds = {k: [x - y for x, y in zip(v, kinds_b.get(k, [0, 0, 0]))]
+                     for k, v in kinds_a.items()}
+            fig["drafts_by_kind"] = {k: v for k, v in sorted(kinds.items()) if v[0] > 0}
         if la_a.get("cost_model"):
             fig["cost_model"] = la_a["cost_model"]
         p_time = _delta(la_a, la_b, "proposer_time_s")

@@ -161,6 +161,10 @@ def test_lookahead_stats_deltas() -> None:
     assert fig["tokens_per_forward"] == pytest.approx(1.0)
     deltas = fig["lookahead_deltas"]
     assert deltas["decode_steps"] == 50
+    assert "drafts_by_kind" not in fig or fig["drafts_by_kind"] == {}
+    la_before["drafts_by_kind"] = {"pool": [4, 12, 1]}
+    la_after["drafts_by_kind"] = {"pool": [4, 12, 1], "suffix4+": [10, 40, 30]}
+    assert figures.section_figures(raw)["drafts_by_kind"] == {"suffix4+": [10, 40, 30]}
     assert "step_compression" not in deltas and "pool_ngrams" not in deltas
 
 

@@ -278,6 +278,17 @@ def test_account_counts_accepted_by_source_and_caps_at_max_tokens():
     assert st.generated_tokens == 4
 
 
+def test_account_books_accepted_tokens_by_the_drafts_kind():
+    st = LookaheadStats()
+    s = _state(prompt=(1, 2, 3, 4, 5))
+    st.drafts_by_kind["suffix3+"] = [1, 3, 0]  # as the step booked the draft
+    s.draft_sources, s.draft_kind = [SOURCE_PROMPT] * 3, "suffix3+"
+    account(s, st, [10, 11, 12], num_tokens=8)  # 2 of 3 draft tokens accepted
+    assert st.drafts_by_kind == {"suffix3+": [1, 3, 2]}
+    account(s, st, [13], num_tokens=9)  # no draft: nothing booked
+    assert st.drafts_by_kind == {"suffix3+": [1, 3, 2]}
+
+
 def test_account_learns_checked_acceptance_only_for_checked_drafts():
     s = _state()
     before = (s.acc.checked.hits, s.acc.checked.misses)
@@ -342,6 +353,7 @@ def test_separate_step_runs_one_pass_and_drafts_the_checked_chain():
     assert s.draft_checked and s.draft_sources == [SOURCE_PROMPT, SOURCE_PROMPT, SOURCE_MODEL]
     assert stats.lookahead_passes == 1 and stats.pass_requests == 1
     assert stats.drafts == 1 and stats.draft_tokens == 3 and stats.arm_steps["tree"] == 1
+    assert stats.drafts_by_kind == {"checked": [1, 3, 0]} and s.draft_kind == "checked"
 
 
 def test_fused_step_catches_up_in_the_step_itself():
@@ -408,6 +420,8 @@ def test_step_budget_too_small_falls_back_to_the_unchecked_lookup():
     drafts, _ = step.run([Live(0, s, len(text), 3, [])], 1, 1, 3, True, tokens, run_trees)
     assert drafts == [[6, 9, 4]] and not s.draft_checked
     assert stats.unchecked_drafts == 1 and stats.steps_window_off == 1
+    # booked under the lookup's kind: "4 5" seen once before (one place)
+    assert stats.drafts_by_kind == {"suffix2": [1, 3, 0]} == {s.lookup_kind: [1, 3, 0]}
 
 
 def test_a_step_whose_budget_cuts_windows_twice_counts_once():

@@ -105,6 +105,9 @@ def account(state: RequestState, stats, sampled: list[int], num_tokens: int) -> 
     st.accepted_tokens += accepted
     for src in state.draft_sources[:accepted]:
         st.accepted_by_source[src] += 1
+    row = st.drafts_by_kind.get(state.draft_kind) if state.draft_sources else None
+    if row is not None:
+        row[2] += accepted
     if state.draft_checked and state.draft_sources:
         state.acc.observe_checked(len(state.draft_sources), accepted)
     if state.draft_expect is not None and state.draft_sources:

@@ -190,6 +190,9 @@ class RequestState:
     plan: object = None
     #: Whether the last draft was checked by a tree (else unchecked).
     draft_checked: bool = False
+    #: The kind of the step's draft, for the stats: the lookup's kind
+    #: (``lookup_kind``) or ``"checked"`` (a tree's chain).
+    draft_kind: str = ""
     #: The draft tokens the planner expected the verifier to accept of the
     #: last step's unchecked draft (None: not planned so), to compare with
     #: what it accepted (``LookaheadStats.planned_gain``).

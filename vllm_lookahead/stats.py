@@ -78,6 +78,10 @@ class LookaheadStats:
             unchecked lookup) or "off" (no draft).
         shape_steps: request-steps by the shape the planner chose
             (``"off"``, ``"draft:K"``, ``"tree:wWgG"``; planner only).
+        drafts_by_kind: per kind of draft (a lookup's kind, ``drafting.
+            lookup``: ``"suffix4+"``, ``"memory6"``, ``"pool"``, ...; or
+            ``"checked"``, a tree's chain), ``[drafts, draft tokens,
+            accepted tokens]``.
     """
 
     decode_steps: int = 0
@@ -109,6 +113,7 @@ class LookaheadStats:
     catch_up_requests: int = 0
     arm_steps: dict[str, int] = field(default_factory=lambda: {a: 0 for a in ARMS})
     shape_steps: dict[str, int] = field(default_factory=dict)
+    drafts_by_kind: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def step_compression(self) -> float:

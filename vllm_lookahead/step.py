@@ -154,6 +154,11 @@ class StepDrafter:
             if drafts[r.i]:
                 self.stats.drafts += 1
                 self.stats.draft_tokens += len(drafts[r.i])
+                kind = "checked" if r.state.draft_checked else r.state.lookup_kind
+                r.state.draft_kind = kind
+                row = self.stats.drafts_by_kind.setdefault(kind, [0, 0, 0])
+                row[0] += 1
+                row[1] += len(drafts[r.i])
         if len(live) < len(everyone):  # a quiet step: time it as planned
             n, q, tree, m, ver, least = (planned if planned is not None
                                          else (0, 1.0, False, 0, 0.0, None))
