@@ -141,9 +141,9 @@ class AcceptancePrior:
             self.p_unchecked = {"suffix4": p, "suffix3": p * 0.9, "suffix2": p * 0.8,
                                 "memory12": p, "memory6": p * 0.9, "memory3": p * 0.7,
                                 "pool": p * 0.6}
-        # per agreement class, the matches' per-token acceptance (forgetting
-        # slowly), from pseudo-counts at the assumed factors of 0.5, in the
-        # assumed mix
+        # per agreement class, its matches' first tokens accepted and not
+        # (forgetting slowly), from pseudo-counts at the assumed factors
+        # of 0.5, in the assumed mix
         w = self.AGREEMENT_WEIGHT
         self.agreement = {a: _Rate(0.5 * f * w * AGREEMENT_MIX[a],
                                    (1 - 0.5 * f) * w * AGREEMENT_MIX[a])
@@ -195,13 +195,22 @@ class AcceptancePrior:
 
     def observe_agreement(self, agree: str, hits: int, missed: bool) -> None:
         """A scored match of agreement class ``agree``: ``hits`` tokens
-        matched, then a miss (``missed``) or its end."""
-        self.agreement[agree].add(hits, missed, self.AGREEMENT_KEEP)
+        matched, then a miss (``missed``) or its end. Counted by its first
+        token alone: each match once, however long it ran (counted by
+        tokens, the long runs of unanimous matches would weigh the pooled
+        rate towards their class and the others' factors down). Every
+        class forgets at each match, so the pooled counts weigh the classes
+        by how often they occur."""
+        for rate in self.agreement.values():
+            rate.add(0, False, self.AGREEMENT_KEEP)
+        rate = self.agreement[agree]
+        rate.add(1 if hits > 0 else 0, hits == 0, 1.0)
 
     def agreement_factor(self, agree: str) -> float:
-        """The class's per-token acceptance over all matches' (the classes'
-        counts pooled): what a match's estimate, learnt over every class,
-        is multiplied by for a match of this class."""
+        """The class's share of matches whose first token was accepted over
+        all matches' (the classes' counts pooled): what a match's
+        per-token estimate, learnt over every class, is multiplied by for
+        a match of this class."""
         rates = self.agreement.values()
         hits, misses = sum(r.hits for r in rates), sum(r.misses for r in rates)
         total = hits / (hits + misses) if hits + misses > 0 else 0.0

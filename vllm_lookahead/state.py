@@ -353,10 +353,11 @@ def agreement(conts: list[list[int]], draft: list[int]) -> str:
     places, every one continuing with it, ``"-"`` some place continuing
     otherwise. On sampled text (SmolLM2, T 0.8, top-p 0.95; HumanEval and
     MT-Bench at n 4, the template set; replayed), the first token of a
-    unanimous draft matched the sample 73-98% of the time, of a split one
-    11-57%, of a one-place one 34-87%, by key kind and length (cells of
-    14 drafts or more): the planner learns the classes apart
-    (``acceptance.LOOKUP_KINDS``)."""
+    unanimous draft matched the sample 73-100% of the time, of a split
+    one 11-31%, of a one-place one 34-88%, by key kind and length (cells
+    of 14 drafts or more; ``benchmarks/replay_drafts.py --by-kind``): the
+    planner multiplies a match's estimate by its class's factor
+    (``acceptance.AcceptancePrior.agreement_factor``)."""
     if len(conts) < 2 or not draft:
         return ""
     first = draft[0]
