@@ -10,7 +10,10 @@ Per request, running estimates of the tokens a step gains from
   with the tokens that come out, over as many steps as its length needs
   (:meth:`RequestAcceptance.observe_unchecked`), so it never goes stale
   and a lookup that was not drafted is judged on all its tokens, not on
-  the first one alone;
+  the first one alone. Learnt per kind of lookup (:data:`LOOKUP_KINDS`); a
+  match's ``p`` is multiplied by the engine's factor for how the key's
+  places agreed on its first token (one place, all, split:
+  :meth:`AcceptancePrior.agreement_factor`);
 * a **tree** with ``g`` candidates and the Jacobi window on or off: the
   candidate tokens the model confirms, ``m``. One tree with G candidates
   tells what every g <= G would have confirmed (the best of the first g);
