@@ -302,13 +302,14 @@ def test_planner_drafts_a_unanimous_lookup_and_skips_a_split_one_of_the_same_key
 
     prior = AcceptancePrior(max_cands=3)
     for _ in range(1000):  # unanimous matches run on, split ones miss at once
-        prior.observe_agreement("+", 8, True)
-        prior.observe_agreement("+", 8, True)
-        prior.observe_agreement("-", 0, True)
-        prior.observe_agreement("", 1, True)
-        prior.observe_agreement("", 0, True)
+        prior.observe_agreement("+", True)
+        prior.observe_agreement("+", True)
+        prior.observe_agreement("-", False)
+        prior.observe_agreement("", True)
+        prior.observe_agreement("", False)
     # by first tokens: "+" 2 of 2, "" 1 of 2, "-" 0 of 1; pooled 3 of 5.
-    # (By tokens the long "+" runs would pool at 0.85 and push "" to 0.59.)
+    # (Counted by tokens, "+" matches running 8 tokens would pool at 0.85
+    # and push "" to 0.59.)
     assert prior.agreement_factor("+") == pytest.approx(1 / 0.6, rel=0.03)
     assert prior.agreement_factor("") == pytest.approx(0.5 / 0.6, rel=0.03)
     assert prior.agreement_factor("-") < 0.05

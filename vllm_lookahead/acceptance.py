@@ -151,6 +151,7 @@ class AcceptancePrior:
         self.agreement = {a: _Rate(0.5 * f * w * AGREEMENT_MIX[a],
                                    (1 - 0.5 * f) * w * AGREEMENT_MIX[a])
                           for a, f in AGREEMENT_PRIOR.items()}
+        self._update_factors()
         if not self.tree_cands:
             # Before any tree ran: LADE's figures (about one confirmed token
             # per step with a handful of candidates), rising with g.
@@ -196,31 +197,38 @@ class AcceptancePrior:
     def learn_unchecked(self, kind: str, p: float) -> None:
         self.p_unchecked[kind] += self.ema * (p - self.p_unchecked[kind])
 
-    def observe_agreement(self, agree: str, hits: int, missed: bool) -> None:
-        """A scored match of agreement class ``agree``: ``hits`` tokens
-        matched, then a miss (``missed``) or its end. Counted by its first
-        token alone: each match once, however long it ran (counted by
-        tokens, the long runs of unanimous matches would weigh the pooled
-        rate towards their class and the others' factors down). Every
-        class forgets at each match, so the pooled counts weigh the classes
-        by how often they occur."""
+    def observe_agreement(self, agree: str, first_accepted: bool) -> None:
+        """A scored match of agreement class ``agree``, whose first token
+        was accepted or not. Counted by its first token alone: each match
+        once, however long it ran (counted by tokens, the long runs of
+        unanimous matches would weigh the pooled rate towards their class
+        and the others' factors down). Every class forgets at each match,
+        so the pooled counts weigh the classes by how often they occur."""
         for rate in self.agreement.values():
             rate.add(0, False, self.AGREEMENT_KEEP)
-        rate = self.agreement[agree]
-        rate.add(1 if hits > 0 else 0, hits == 0, 1.0)
+        self.agreement[agree].add(int(first_accepted), not first_accepted, 1.0)
+        self._update_factors()
+
+    def _update_factors(self) -> None:
+        """The classes' factors from their counts, kept until the next
+        match is scored (the planner reads them for every draft length of
+        every request each step)."""
+        rates = self.agreement.values()
+        hits, misses = sum(r.hits for r in rates), sum(r.misses for r in rates)
+        total = hits / (hits + misses) if hits + misses > 0 else 0.0
+        self._factors = {a: r.p / total if total > 0 else 1.0
+                         for a, r in self.agreement.items()}
+        self._max_factor = max(self._factors.values())
 
     def agreement_factor(self, agree: str) -> float:
         """The class's share of matches whose first token was accepted over
         all matches' (the classes' counts pooled): what a match's
         per-token estimate, learnt over every class, is multiplied by for
         a match of this class."""
-        rates = self.agreement.values()
-        hits, misses = sum(r.hits for r in rates), sum(r.misses for r in rates)
-        total = hits / (hits + misses) if hits + misses > 0 else 0.0
-        return self.agreement[agree].p / total if total > 0 else 1.0
+        return self._factors[agree]
 
     def max_agreement_factor(self) -> float:
-        return max(self.agreement_factor(a) for a in self.agreement)
+        return self._max_factor
 
     def learn_checked(self, p: float) -> None:
         self.p_checked += self.ema * (p - self.p_checked)
@@ -352,7 +360,7 @@ class RequestAcceptance:
         rate.add(hits, missed, self.keep)
         self.prior.learn_unchecked(kind, rate.p)
         if kind != "pool":
-            self.prior.observe_agreement(agree, hits, missed)
+            self.prior.observe_agreement(agree, hits > 0)
 
     def observe_checked(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
