@@ -132,3 +132,142 @@ def test_recovered_tokens_keep_vllms_distribution():
     freq = counts / n
     assert freq[draft] == 0 and float(freq[p == 0].sum()) == 0
     assert torch.allclose(freq, want, atol=0.012)
+
+
+# -- lazy verification (verify_sampled_rows) ---------------------------------------
+
+PLACEHOLDER = -1
+
+
+def _vllm_kernels():
+    """vLLM 0.32's CPU kernels of the rejection sampler (the C++ ops its CPU
+    platform registers for the Triton ones)."""
+    from vllm.utils import cpu_triton_utils as k
+
+    return k
+
+
+def _setup(seed, nd, greedy, vocab=4096, p=0.9, top_k=None):
+    g = torch.Generator().manual_seed(seed)
+    num_tokens = sum(nd)
+    logits = torch.randn(num_tokens, vocab, generator=g)
+    # a head of a few tokens over a long tail; drafts mostly from the head,
+    # so that positions are accepted and rejected at every depth
+    logits[:, :4] += 9 + 3 * torch.rand(num_tokens, 4, generator=g)
+    drafts = torch.randint(0, 5, (num_tokens,), generator=g, dtype=torch.int32)
+    likely = torch.rand(num_tokens, generator=g) < 0.6
+    drafts[likely] = logits[likely].argmax(dim=-1).to(torch.int32)
+    drafts[torch.rand(num_tokens, generator=g) < 0.05] = -1  # padded positions
+    bonus = torch.randint(0, vocab, (len(nd), 1), generator=g, dtype=torch.int64)
+    temp = torch.tensor([0.0 if gr else 0.8 for gr in greedy])
+    per_tok = torch.repeat_interleave(torch.where(temp == 0, 1.0, temp), torch.tensor(nd))
+    target = logits / per_tok.unsqueeze(1)
+    pp = torch.full((num_tokens,), p)
+    kk = None if top_k is None else torch.full((num_tokens,), top_k, dtype=torch.int32)
+    return target, drafts, bonus, temp == 0, pp, kk
+
+
+def _generators(nd, greedy, seed):
+    return {i: torch.Generator().manual_seed(seed + i) for i in range(len(nd)) if not greedy[i]}
+
+
+def _uniform(nd, gens):
+    from vllm.v1.sample.rejection_sampler import generate_uniform_probs
+
+    return generate_uniform_probs(sum(nd), nd, gens, "cpu")
+
+
+def vllm_rejection(target, drafts, nd, bonus, is_greedy, kk, pp, gens, max_spec):
+    """vLLM 0.32's rejection_sample on the CPU, every draft row computed."""
+    k = _vllm_kernels()
+    cu = torch.tensor(nd).cumsum(0)
+    out = torch.full((len(nd), max_spec + 1), PLACEHOLDER, dtype=torch.int32)
+    uniform = _uniform(nd, gens)
+    k._rejection_greedy_sample_kernel_impl(out, cu, drafts, target.argmax(dim=-1), bonus,
+                                           is_greedy, max_spec)
+    probs = vllm_top_k_top_p(target.clone(), kk, pp).softmax(dim=-1, dtype=torch.float32)
+    q = torch.empty(len(nd), target.shape[1]).exponential_()
+    for i, gen in gens.items():
+        if nd[i] > 0:
+            q[i].exponential_(generator=gen)
+    recovered = torch.empty_like(drafts)
+    k._sample_recovered_tokens_kernel_impl(recovered, cu, drafts, None, probs, q.reciprocal(),
+                                           target.shape[1], NO_DRAFT_PROBS=True)
+    k._rejection_random_sample_kernel_impl(out, cu, drafts, None, probs, bonus, recovered,
+                                           uniform, is_greedy, max_spec, target.shape[1],
+                                           NO_DRAFT_PROBS=True)
+    return out
+
+
+def lazy_rejection(target, drafts, nd, bonus, is_greedy, kk, pp, gens, max_spec, counts=None):
+    from vllm_lookahead.cpu_sampling import verify_sampled_rows
+
+    k = _vllm_kernels()
+    cu = torch.tensor(nd).cumsum(0)
+    out = torch.full((len(nd), max_spec + 1), PLACEHOLDER, dtype=torch.int32)
+    uniform = _uniform(nd, gens)
+    k._rejection_greedy_sample_kernel_impl(out, cu, drafts, target.argmax(dim=-1), bonus,
+                                           is_greedy, max_spec)
+    verify_sampled_rows(out, drafts, nd, target.clone(), kk, pp, bonus, uniform, is_greedy,
+                        gens, lambda x, k_, p_: top_k_top_p_rows(x, k_, p_, vllm_top_k_top_p),
+                        counts=counts)
+    return out
+
+
+@pytest.mark.parametrize("top_k", [None, 20])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lazy_verification_samples_what_vllm_samples(seed, top_k):
+    """Seeded requests (every random draw from its generator): the tokens
+    are vLLM's, token for token, greedy requests and drafts of every length
+    (none, padded positions) in the batch, though rows past a rejection are
+    never computed."""
+    nd = [3, 0, 6, 1, 4, 2, 16, 5, 0, 7] * 4
+    greedy = [False, False, True, False, False, True, False, False, True, False] * 4
+    target, drafts, bonus, is_greedy, pp, kk = _setup(seed, nd, greedy, top_k=top_k)
+    want = vllm_rejection(target, drafts, nd, bonus, is_greedy, kk, pp,
+                          _generators(nd, greedy, 100 * seed), 16)
+    counts = TopPCounts()
+    got = lazy_rejection(target, drafts, nd, bonus, is_greedy, kk, pp,
+                         _generators(nd, greedy, 100 * seed), 16, counts)
+    assert torch.equal(got, want), (got, want)
+    sampled_rows = sum(n for n, gr in zip(nd, greedy) if not gr)
+    assert counts.draft_rows == sampled_rows
+    # the accepted prefixes decide the rows computed: one per accepted token
+    # and one for the rejection, none past it
+    expect = 0
+    for i, n in enumerate(nd):
+        if greedy[i] or n == 0:
+            continue
+        drafted = drafts[sum(nd[:i]): sum(nd[:i]) + n].tolist()
+        accepted = 0
+        while accepted < n and int(got[i, accepted]) == drafted[accepted]:
+            accepted += 1
+        expect += min(accepted + 1, n)
+    assert counts.verified_rows == expect < sampled_rows
+
+
+def test_lazy_verification_keeps_the_distribution():
+    """Unseeded requests draw the recovered token's noise on the row's
+    support only: the sequences sampled keep vLLM's frequencies."""
+    vocab, reqs, n = 6, 4000, 3
+    g = torch.Generator().manual_seed(3)
+    row_logits = torch.randn(n, vocab, generator=g) * 1.5
+    target = row_logits.repeat(reqs, 1)
+    drafts = torch.tensor([1, 2, 0] * reqs, dtype=torch.int32)
+    bonus = torch.full((reqs, 1), 5, dtype=torch.int64)
+    nd = [n] * reqs
+    pp = torch.full((n * reqs,), 0.9)
+    freq = []
+    for fn in (vllm_rejection, lazy_rejection):
+        torch.manual_seed(11)
+        counts: dict = {}
+        for _ in range(3):
+            out = fn(target, drafts, nd, bonus, None, None, pp, {}, n)
+            for row in out.tolist():
+                counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+        freq.append(counts)
+    keys = set(freq[0]) | set(freq[1])
+    total = 3 * reqs
+    tv = 0.5 * sum(abs(freq[0].get(k, 0) - freq[1].get(k, 0)) for k in keys) / total
+    assert len(keys) > 4
+    assert tv < 0.03, (tv, freq)

@@ -299,7 +299,8 @@ def vanilla_samples(smollm2_path, prompt):
 @pytest.fixture(scope="module")
 def lookahead_run(smollm2_path, prompt):
     keys = ("drafts", "draft_tokens", "accepted_tokens", "decode_steps", "plain_sampler_steps",
-            "verify_top_p_rows", "verify_top_p_fallback_rows")
+            "verify_top_p_rows", "verify_top_p_fallback_rows", "verify_draft_rows",
+            "verify_rows_computed")
     samples, delta = {}, {}
     with engine(smollm2_path, LOOKAHEAD, max_num_seqs=MAX_NUM_SEQS) as llm:
         if rejection_expand_is_broken():
@@ -393,6 +394,18 @@ def test_draft_rows_take_top_p_without_sorting(lookahead_run):
     assert d["verify_top_p_rows"] > 0, d
     assert d["verify_top_p_fallback_rows"] < d["verify_top_p_rows"], d
     assert lookahead_run["delta"]["t1"]["verify_top_p_rows"] == 0
+
+
+@pytest.mark.e2e
+def test_draft_rows_past_a_rejection_are_not_verified(lookahead_run):
+    """Under top-k/top-p the CPU verifier computed a sampled draft's rows
+    only up to its first rejection (patch 15, ``verify_sampled_rows``):
+    fewer rows than drafted, every one it computed through its top-p. The
+    arms without top-k/top-p keep vLLM's path."""
+    d = lookahead_run["delta"]["t1-topk-topp"]
+    assert 0 < d["verify_rows_computed"] < d["verify_draft_rows"], d
+    assert d["verify_rows_computed"] == d["verify_top_p_rows"], d
+    assert lookahead_run["delta"]["t1"]["verify_draft_rows"] == 0
 
 
 @pytest.mark.e2e

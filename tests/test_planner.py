@@ -936,6 +936,31 @@ def test_a_draft_that_pays_on_the_forward_alone_waits_for_its_verification():
     assert plan[0].extra_s == pytest.approx(0.006 + 0.001 * (plan[0].draft - 1))
 
 
+def test_a_lazy_verifier_prices_the_rows_it_computes():
+    """Where the verifier computes a sampled draft's rows only up to its
+    first rejection (patch 15 on the CPU), a draft's verification is priced
+    by the rows expected, ``1 + p + ... + p^(k-1)``: a long draft of a
+    likely lookup costs about what its accepted part does, and the planner
+    drafts longer than where every row is computed."""
+    from vllm_lookahead.planner import verified_rows
+
+    assert verified_rows(0, 0.5) == 0.0
+    assert verified_rows(1, 0.5) == 1.0
+    assert verified_rows(4, 0.5) == pytest.approx(1.875)
+    assert verified_rows(16, 0.0) == 1.0 and verified_rows(16, 1.0) == 16.0
+    planner = Planner(CostModel(CostCurve.flat(0.03, 0.002)))
+    acc = acceptance(p_unchecked=0.6, tree_by_g=[0.0] * 8, window_extra=0.0)
+    verify = (0.004, 0.002)  # a row costs 7% of a step
+    every = planner.plan([view(acc, unchecked=16, room=16, trees=False, verify=verify)])
+    lazy = planner.plan([view(acc, unchecked=16, room=16, trees=False, verify=verify,
+                              lazy=True)])
+    assert every[0].kind == lazy[0].kind == "draft"
+    assert lazy[0].draft > every[0].draft
+    k, p = lazy[0].draft, acc.unchecked_p("suffix4") * acc.prior.calibration
+    assert lazy[0].extra_s == pytest.approx(0.004 + 0.002 * (verified_rows(k, p) - 1))
+    assert every[0].extra_s == pytest.approx(0.004 + 0.002 * (every[0].draft - 1))
+
+
 def test_the_cost_model_learns_the_forward_apart_from_the_verification():
     """Steps booked less the verification the plan counted: a plane that
     saw drafting steps (whose time was mostly the verifier's) does not price

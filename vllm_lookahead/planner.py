@@ -117,18 +117,42 @@ class RequestView:
     fixed: Shape | None = None
     weight: float = 1.0
     verify: tuple[float, float] = (0.0, 0.0)
+    lazy: bool = False
 
-    def verify_s(self, draft: int) -> float:
-        """Seconds vLLM's verifier adds for a draft of ``draft`` tokens."""
-        return verify_seconds(self.verify, draft)
+    def verify_s(self, draft: int, p: float = 1.0) -> float:
+        """Seconds vLLM's verifier adds for a draft of ``draft`` tokens,
+        each accepted with probability ``p`` (given the ones before):
+        where the request's draft rows are verified lazily (``lazy``), a
+        row past the first rejection costs nothing
+        (:func:`verified_rows`)."""
+        return verify_seconds(self.verify, draft,
+                              verified_rows(draft, p) if self.lazy else None)
 
 
-def verify_seconds(verify: tuple[float, float], draft: int) -> float:
-    """Seconds vLLM's verifier adds for a draft of ``draft`` tokens, from
-    its ``(first token, each next one)`` seconds; 0 without a draft."""
+def verified_rows(draft: int, p: float) -> float:
+    """Draft rows a lazy verifier (``cpu_sampling.verify_sampled_rows``)
+    is expected to compute for a draft of ``draft`` tokens each accepted
+    with probability ``p``: row d is computed where the d tokens before it
+    were accepted, ``1 + p + ... + p^(draft-1)``."""
     if draft <= 0:
         return 0.0
-    return verify[0] + verify[1] * (draft - 1)
+    return 1.0 + geometric_gain(p, draft - 1)
+
+
+def draft_p(acc: RequestAcceptance, kind: str = "suffix4") -> float:
+    """Per-token acceptance of a request's unchecked draft of ``kind`` as
+    the planner values it (calibrated, :meth:`RequestAcceptance.unchecked_gain`)."""
+    return min(acc.unchecked_p(kind) * acc.prior.calibration, 1.0)
+
+
+def verify_seconds(verify: tuple[float, float], draft: int, rows: float | None = None) -> float:
+    """Seconds vLLM's verifier adds for a draft of ``draft`` tokens, from
+    its ``(first token, each next one)`` seconds; 0 without a draft.
+    ``rows``: the draft rows it computes (None: all ``draft``; a lazy
+    verifier's expectation, :func:`verified_rows`)."""
+    if draft <= 0:
+        return 0.0
+    return verify[0] + verify[1] * ((draft if rows is None else max(rows, 1.0)) - 1)
 
 
 def sibling_rows(groups: list, remaining: list) -> list[list[int]]:
@@ -333,6 +357,11 @@ class Planner:
         #: tree steps per catch-up (the proposer updates it from its
         #: counts: tree runs that end soon make a catch-up dearer).
         self.horizon = float(TREE_HORIZON)
+        #: vLLM's verifier computes a sampled request's draft rows only up
+        #: to its first rejection (patch 15 on the CPU platform,
+        #: ``cpu_sampling.verify_sampled_rows``): a draft's verification is
+        #: priced by the rows expected (:func:`verified_rows`).
+        self.lazy_verify = False
 
     # -- the shapes of one request ------------------------------------------------
     def shapes(self, v: RequestView, batch: int) -> list[Shape]:
@@ -348,12 +377,13 @@ class Planner:
             # one step (a tree's value below is its steady state too).
             k = min(v.chain, v.room)
             out.append(Shape("draft", draft=k, tokens=1 + acc.unchecked_gain(k),
-                             extra_s=v.verify_s(k)))
+                             extra_s=v.verify_s(k, draft_p(acc))))
         elif v.unchecked > 0:
+            p = draft_p(acc, v.lookup_kind)
             for k in draft_lengths(min(v.unchecked, v.room)):
                 out.append(Shape("draft", draft=k,
                                  tokens=1 + acc.unchecked_gain(k, v.lookup_kind),
-                                 extra_s=v.verify_s(k)))
+                                 extra_s=v.verify_s(k, p)))
         if not v.trees:
             return out
         n = v.ngram_size
@@ -368,6 +398,7 @@ class Planner:
         catch_up = (1.0 - 1.0 / max(self.horizon, 1.0)) if self.fused and v.chain <= 0 else None
         table, roots = _tree_table(n, v.window_size, v.guess_set_size)
         cap, room, verify = n - 1, v.room, v.verify
+        lazy_p = checked if v.lazy else None
         for (w, g, nodes), m in zip(table, acc.tree_gains(roots)):
             if m > cap:
                 m = cap
@@ -380,7 +411,9 @@ class Planner:
             if catch_up is not None:
                 gain *= catch_up
             out.append(_shape(("tree", d, w, g, nodes, 1 + gain,
-                               extra_1 + verify_seconds(verify, d))))
+                               extra_1 + verify_seconds(
+                                   verify, d, None if lazy_p is None
+                                   else verified_rows(d, lazy_p)))))
         return out
 
     #: What a seeded request's draft costs beyond the forward's rows, in
@@ -413,8 +446,10 @@ class Planner:
         if not (first or nxt):
             first, nxt = step * self.SEEDED_FIRST, step * self.SEEDED_NEXT
         best, best_rate = 0, 1.0 / step
+        p = draft_p(acc, kind)
         for k in range(1, k_max + 1):
-            verify = first + nxt * (k - 1)
+            verify = verify_seconds((first, nxt), k,
+                                    verified_rows(k, p) if self.lazy_verify else None)
             rate = (1.0 + acc.unchecked_gain(k, kind)) / max(plain(1, 1 + k) + verify, 1e-12)
             if rate > best_rate:
                 best, best_rate = k, rate
@@ -525,7 +560,9 @@ class Planner:
                 least = -math.inf
 
         for k in draft_lengths(best.max_draft):
-            weigh(geometric_gain(best.p_unchecked, k), 1 + k, False, first + nxt * (k - 1))
+            # a lazy verifier computes one row at least
+            weigh(geometric_gain(best.p_unchecked, k), 1 + k, False,
+                  first + nxt * (0 if self.lazy_verify else k - 1))
         for gain, nodes in best.trees.values():
             weigh(gain, 1 + nodes, True)
         return least

@@ -136,6 +136,9 @@ class LookaheadProposer:
             setting = self.cfg.cost_model if self.worker is not None else "off"
             cost = build_cost_model(setting, runner, self.worker, self._agree)
             self.step.planner = Planner(cost, fused=self.fused)
+            from vllm_lookahead import cpu_sampling
+
+            self.step.planner.lazy_verify = cpu_sampling.LAZY_VERIFY
 
     def on_update_states(self, scheduler_output) -> None:
         """Free finished/aborted requests; forget preempted ones that resume

@@ -161,6 +161,10 @@ def worker_stats(worker) -> dict | None:
 
     stats["verify_top_p_rows"] = COUNTS.rows
     stats["verify_top_p_fallback_rows"] = COUNTS.fallback_rows
+    # sampled requests' draft rows verified lazily, and the rows computed
+    # (up to each draft's first rejection; patch 15)
+    stats["verify_draft_rows"] = COUNTS.draft_rows
+    stats["verify_rows_computed"] = COUNTS.verified_rows
     return stats
 
 

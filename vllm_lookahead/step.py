@@ -62,8 +62,10 @@ from vllm_lookahead.planner import (
     BestCase,
     RequestView,
     Shape,
+    draft_p,
     sibling_rows,
     sibling_weights,
+    verified_rows,
     verify_seconds,
 )
 from vllm_lookahead.trees import TreeAsk, plan_trees
@@ -214,6 +216,7 @@ class StepDrafter:
                 views.append(_request_view(r, token_ids, self.cfg.prompt_pool, self.trees,
                                            self.planner))
                 views[-1].verify = verify[r.state.sampled]
+                views[-1].lazy = self.planner.lazy_verify and r.state.sampled
                 if weights is not None:
                     views[-1].weight = weights[j]
         planned = None
@@ -230,13 +233,14 @@ class StepDrafter:
                 self.planner.horizon = max(runs / st.catch_up_requests, 1.0)
             shapes = self.planner.plan(views, self.cfg.max_tree_tokens, others, explore=True)
             q = sum(sh.query for sh in shapes) / len(shapes)
-            # (measured (first, next), draft length) of each drafting request
-            counted = [(measured[r.state.sampled], sh.draft)
-                       for r, sh in zip(live, shapes) if sh.draft > 0]
+            # (measured (first, next), draft length, rows the verifier is
+            # expected to compute) of each drafting request
+            counted = [(measured[r.state.sampled], sh.draft, _rows(v, sh))
+                       for r, v, sh in zip(live, views, shapes) if sh.draft > 0]
             planned = (len(live), q, any(sh.kind == "tree" for sh in shapes),
                        sum(sh.query > 1 for sh in shapes),
-                       sum(verify_seconds(pair, d) for pair, d in counted),
-                       (min(f for (f, _), _ in counted), min(n for (_, n), _ in counted))
+                       sum(verify_seconds(pair, d, rows) for pair, d, rows in counted),
+                       (min(f for (f, _), _, _ in counted), min(n for (_, n), _, _ in counted))
                        if counted else None)
         trees = []
         for r, shape in zip(live, shapes):
@@ -341,6 +345,17 @@ class StepDrafter:
             drafts[r.i] = read_tree(r.state, tree, pred, self.memory)
             r.state.draft_checked = True
         return not use_window
+
+
+def _rows(view, shape) -> float | None:
+    """The draft rows a lazy verifier is expected to compute for a request
+    planned ``shape`` (None: every row, :func:`~vllm_lookahead.planner.verified_rows`)."""
+    if not view.lazy:
+        return None
+    if shape.kind == "tree":
+        return verified_rows(shape.draft, view.acc.checked.p)
+    kind = view.lookup_kind if view.chain <= 0 else "suffix4"
+    return verified_rows(shape.draft, draft_p(view.acc, kind))
 
 
 #: A catch-up step drafts the unchecked lookup's tokens while the next one
