@@ -116,8 +116,11 @@ def top_k_top_p_rows(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tens
                           torch.full_like(kth, float("-inf")))
         masked = logits.masked_fill(logits < kth, float("-inf"))
         top.masked_fill_(top < kth, float("-inf"))
-    lse = torch.logsumexp(masked, dim=-1, keepdim=True)
-    probs = torch.exp(top.double() - lse.double())
+    # log-sum-exp from the row's largest logit (torch.logsumexp is several
+    # times slower on the CPU); its rounding is within MARGIN's reach
+    mx = top[:, :1]
+    lse = mx.double() + torch.log(torch.exp(masked - mx).sum(dim=-1, keepdim=True).double())
+    probs = torch.exp(top.double() - lse)
     above = torch.cumsum(probs, dim=-1) - probs  # mass ranked above each
     p64 = p.to(torch.float64)
     m = (above < p64.unsqueeze(1)).sum(dim=-1)  # kept tokens (the first m)
@@ -127,7 +130,9 @@ def top_k_top_p_rows(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tens
     ok &= (p64 - above[idx, last]) > margin
     ok &= (above[idx, nxt] - p64) > margin
     cut = top[idx, last].unsqueeze(1)  # the m-th logit
-    ok &= (masked >= cut).sum(dim=-1) == m  # no tie across the cut
+    # no tie across the cut: the largest logit outside the m kept ones is
+    # the window's (m+1)-th (m < w), below the cut
+    ok &= top[idx, nxt] < cut.squeeze(1)
     if bool(ok.all()):
         return logits.masked_fill_(masked < cut, float("-inf"))
     fine = ok.nonzero().squeeze(1)
