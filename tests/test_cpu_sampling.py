@@ -177,14 +177,21 @@ def _uniform(nd, gens):
     return generate_uniform_probs(sum(nd), nd, gens, "cpu")
 
 
-def vllm_rejection(target, drafts, nd, bonus, is_greedy, kk, pp, gens, max_spec):
-    """vLLM 0.32's rejection_sample on the CPU, every draft row computed."""
+def _greedy_rows(target, drafts, nd, bonus, is_greedy, gens, max_spec):
+    """The output buffer with the greedy requests verified by vLLM's kernel,
+    and the uniform draws (both paths start so)."""
     k = _vllm_kernels()
     cu = torch.tensor(nd).cumsum(0)
     out = torch.full((len(nd), max_spec + 1), PLACEHOLDER, dtype=torch.int32)
     uniform = _uniform(nd, gens)
     k._rejection_greedy_sample_kernel_impl(out, cu, drafts, target.argmax(dim=-1), bonus,
                                            is_greedy, max_spec)
+    return k, cu, out, uniform
+
+
+def vllm_rejection(target, drafts, nd, bonus, is_greedy, kk, pp, gens, max_spec):
+    """vLLM 0.32's rejection_sample on the CPU, every draft row computed."""
+    k, cu, out, uniform = _greedy_rows(target, drafts, nd, bonus, is_greedy, gens, max_spec)
     probs = vllm_top_k_top_p(target.clone(), kk, pp).softmax(dim=-1, dtype=torch.float32)
     q = torch.empty(len(nd), target.shape[1]).exponential_()
     for i, gen in gens.items():
@@ -202,12 +209,7 @@ def vllm_rejection(target, drafts, nd, bonus, is_greedy, kk, pp, gens, max_spec)
 def lazy_rejection(target, drafts, nd, bonus, is_greedy, kk, pp, gens, max_spec, counts=None):
     from vllm_lookahead.cpu_sampling import verify_sampled_rows
 
-    k = _vllm_kernels()
-    cu = torch.tensor(nd).cumsum(0)
-    out = torch.full((len(nd), max_spec + 1), PLACEHOLDER, dtype=torch.int32)
-    uniform = _uniform(nd, gens)
-    k._rejection_greedy_sample_kernel_impl(out, cu, drafts, target.argmax(dim=-1), bonus,
-                                           is_greedy, max_spec)
+    _, _, out, uniform = _greedy_rows(target, drafts, nd, bonus, is_greedy, gens, max_spec)
     verify_sampled_rows(out, drafts, nd, target.clone(), kk, pp, bonus, uniform, is_greedy,
                         gens, lambda x, k_, p_: top_k_top_p_rows(x, k_, p_, vllm_top_k_top_p),
                         counts=counts)
