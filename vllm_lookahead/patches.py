@@ -103,7 +103,7 @@ every other method untouched:
     Only without async scheduling (with it the speculative path keeps its
     own bookkeeping); every speculative method benefits.
 15. CPU platform only (vLLM's CUDA sampler runs these in Triton kernels):
-    two module-level names of ``vllm.v1.sample.rejection_sampler``, so only
+    four module-level names of ``vllm.v1.sample.rejection_sampler``, so only
     the rejection sampler's draft rows change, never the plain sampler
     (vanilla's and the bonus tokens'). ``apply_top_k_top_p`` (as called by
     its ``apply_sampling_constraints`` for the draft rows) decides top-p
