@@ -554,11 +554,18 @@ def _cheap_cpu_verification() -> None:
 
     if not current_platform.is_cpu():
         return
+    from dataclasses import replace
+
     import torch
     from vllm.v1.sample import rejection_sampler as rs
 
     from vllm_lookahead import cpu_sampling
-    from vllm_lookahead.cpu_sampling import COUNTS, recovered_inv_q, top_k_top_p_rows
+    from vllm_lookahead.cpu_sampling import (
+        COUNTS,
+        recovered_inv_q,
+        top_k_top_p_rows,
+        verify_sampled_rows,
+    )
 
     orig_top_k_top_p = rs.apply_top_k_top_p
 
@@ -582,10 +589,6 @@ def _cheap_cpu_verification() -> None:
     # Draft rows verified lazily (cpu_sampling.verify_sampled_rows): the
     # constraints' top-k/top-p is deferred from apply_sampling_constraints
     # to rejection_sample, which computes only the rows it needs.
-    from dataclasses import replace
-
-    from vllm_lookahead.cpu_sampling import verify_sampled_rows
-
     orig_constraints = rs.apply_sampling_constraints
     orig_rejection_sample = rs.rejection_sample
     deferred: dict = {}
@@ -613,11 +616,13 @@ def _cheap_cpu_verification() -> None:
                          synthetic_mode=False, synthetic_conditional_rates=None,
                          use_fp64_gumbel=False):
         held = deferred.pop("rows", None)
-        if held is not None and held[0] is target_logits and (
-                draft_probs is not None or synthetic_mode):
+        if held is not None and held[0] is not target_logits:
+            held = None  # not the logits this step's constraints deferred
+        if held is not None and (draft_probs is not None or synthetic_mode):
+            # drafts with probabilities: every row, as vLLM
             target_logits = apply_top_k_top_p(target_logits, held[1], held[2])
             held = None
-        if held is None or held[0] is not target_logits:
+        if held is None:
             return orig_rejection_sample(
                 draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
                 draft_probs, target_logits, bonus_token_ids, sampling_metadata,

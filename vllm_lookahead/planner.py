@@ -119,6 +119,14 @@ class RequestView:
     verify: tuple[float, float] = (0.0, 0.0)
     lazy: bool = False
 
+    def draft_p(self, tree: bool = False) -> float:
+        """Per-token acceptance of the draft this request hands the
+        verifier: a tree's checked chain (``tree``), the chain the last
+        tree left, or its unchecked lookup (:func:`draft_p`)."""
+        if tree:
+            return self.acc.checked.p
+        return draft_p(self.acc, "suffix4" if self.chain > 0 else self.lookup_kind)
+
     def verify_s(self, draft: int, p: float = 1.0) -> float:
         """Seconds vLLM's verifier adds for a draft of ``draft`` tokens,
         each accepted with probability ``p`` (given the ones before):
@@ -377,9 +385,9 @@ class Planner:
             # one step (a tree's value below is its steady state too).
             k = min(v.chain, v.room)
             out.append(Shape("draft", draft=k, tokens=1 + acc.unchecked_gain(k),
-                             extra_s=v.verify_s(k, draft_p(acc))))
+                             extra_s=v.verify_s(k, v.draft_p())))
         elif v.unchecked > 0:
-            p = draft_p(acc, v.lookup_kind)
+            p = v.draft_p()
             for k in draft_lengths(min(v.unchecked, v.room)):
                 out.append(Shape("draft", draft=k,
                                  tokens=1 + acc.unchecked_gain(k, v.lookup_kind),
@@ -398,7 +406,7 @@ class Planner:
         catch_up = (1.0 - 1.0 / max(self.horizon, 1.0)) if self.fused and v.chain <= 0 else None
         table, roots = _tree_table(n, v.window_size, v.guess_set_size)
         cap, room, verify = n - 1, v.room, v.verify
-        lazy_p = checked if v.lazy else None
+        lazy_p = v.draft_p(tree=True) if v.lazy else None
         for (w, g, nodes), m in zip(table, acc.tree_gains(roots)):
             if m > cap:
                 m = cap

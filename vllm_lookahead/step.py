@@ -62,7 +62,6 @@ from vllm_lookahead.planner import (
     BestCase,
     RequestView,
     Shape,
-    draft_p,
     sibling_rows,
     sibling_weights,
     verified_rows,
@@ -352,10 +351,7 @@ def _rows(view, shape) -> float | None:
     planned ``shape`` (None: every row, :func:`~vllm_lookahead.planner.verified_rows`)."""
     if not view.lazy:
         return None
-    if shape.kind == "tree":
-        return verified_rows(shape.draft, view.acc.checked.p)
-    kind = view.lookup_kind if view.chain <= 0 else "suffix4"
-    return verified_rows(shape.draft, draft_p(view.acc, kind))
+    return verified_rows(shape.draft, view.draft_p(tree=shape.kind == "tree"))
 
 
 #: A catch-up step drafts the unchecked lookup's tokens while the next one
