@@ -10,11 +10,15 @@ a JSON file with every figure and a plot::
         --methods vanilla ngram la:4,5,5 la:4,5,5,nopool la:4,5,5,separate la:5,7,7
     bash scripts/bench.sh --datasets template --repeat 2 --temperature 0.8 --top-p 0.95 \
         --n 2 --seed 0 --methods vanilla ngram suffix suffix:nomem la la:nomem
+    bash scripts/bench.sh --one-process --methods vanilla vanilla#2 ngram la
     python benchmarks/bench.py --from-json benchmarks/results/latest.json
 
 Each (model, dtype, method) engine runs in a fresh subprocess (this script
 with ``--child``): one vLLM engine per process, a clean peak-RSS figure, and a
-crash or error in one configuration only costs that configuration. See
+crash or error in one configuration only costs that configuration. With
+``--one-process`` the engines of one (model, dtype) are built in one
+subprocess instead and take turns there, so that the speed of a process (it
+differs between processes of one configuration) cancels out. See
 benchmarks/README.md for the meaning of every column.
 """
 
@@ -113,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the engines of one model and dtype at once, taking turns "
                         "batch by batch, so drift in machine speed hits every method "
                         "alike (default); --no-interleave: one engine after another")
+    p.add_argument("--one-process", action="store_true",
+                   help="build the engines of one model and dtype in one process and "
+                        "let them take turns batch by batch there: engine processes of "
+                        "one configuration differ in speed by up to 16%% (an A/A pair "
+                        "measured on a 2-vCPU Xeon), which one process cancels; a crash "
+                        "costs the whole group, peak RSS is the group's, no METHOD@PATH "
+                        "(default: one process per engine)")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per engine process (interleaved: per group of engines) "
                         "before it is killed (default: none)")
@@ -185,6 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = check_sampling_args(args)
     if problem:
         parser.error(problem)
+    if args.one_process and any(m.checkout for m in methods):
+        parser.error("--one-process imports one vllm_lookahead: drop the METHOD@PATH entries "
+                     "(they need a process of their own)")
     methods = drop_unavailable_suffix(methods)
     if not methods:
         parser.error("no method left to run")

@@ -60,6 +60,24 @@ def generate_queued(engine, prompts: list, params, running: int,
     others staying in flight meanwhile, so interleaved engines take short
     turns through their queues.
     """
+    return drain(queued_turns(engine, prompts, params, running, full, hold, turn_s))
+
+
+def drain(work):
+    """Run the generator ``work`` to its end, ignoring what it yields; its
+    return value."""
+    while True:
+        try:
+            next(work)
+        except StopIteration as stop:
+            return stop.value
+
+
+def queued_turns(engine, prompts: list, params, running: int,
+                 full: dict | None = None, hold=None, turn_s: float | None = None):
+    """:func:`generate_queued` as a generator: it yields each time it lets
+    ``hold`` go after ``turn_s`` seconds (an engine of ``--one-process``
+    gives the next engine its turn there) and returns the outputs."""
     index: dict[str, int] = {}
     outputs: list[list[list[int]] | None] = [None] * len(prompts)
     seen: dict[tuple[str, int], int] = {}
@@ -76,6 +94,7 @@ def generate_queued(engine, prompts: list, params, running: int,
                 # timer (its cost model) leaves out.
                 held.close()
                 turn_start = None
+                yield  # the turn passes on (one process: the next engine's)
             if hold is not None and turn_start is None:
                 held.enter_context(hold())
                 turn_start = time.perf_counter()
@@ -317,29 +336,60 @@ class Turns:
         self._pass_if_held_by(self.index)
 
 
-def child_main(config_path: str, result_path: str) -> int:
-    """Run one engine over every (dataset, batch size) and write the result."""
-    cfg = json.loads(Path(config_path).read_text(encoding="utf-8"))
-    out = Path(result_path)
-    result: dict[str, Any] = {"sections": [], "error": None}
-    if cfg.get("checkout"):
-        import vllm_lookahead
+class EngineJob:
+    """One engine's part of the benchmark.
 
-        # the plugin this engine imported (a ``...@PATH`` method: PATH's)
-        result["plugin_path"] = str(Path(vllm_lookahead.__file__).resolve().parent)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    try:
-        from tqdm import tqdm
+    :meth:`start` builds the engine and warms it up; :meth:`work` runs every
+    (dataset, batch size) as a generator that yields after each turn (a
+    batch of prompts, or ``QUEUE_TURN_S`` of a queue), so engines built in
+    one process (``--one-process``, :func:`group_main`) take turns from one
+    loop. An engine in a process of its own drains it (:func:`child_main`),
+    taking its turns through :class:`Turns` when interleaved.
+
+    ``progress(count)``: called with the prompts of each turn done.
+    ``checkpoint()``: called after each section (partial results are kept).
+    """
+
+    def __init__(self, cfg: dict[str, Any], turns: Turns | None = None,
+                 in_group: bool = False) -> None:
+        self.cfg = cfg
+        self.turns = turns
+        self.in_group = in_group
+        self.result: dict[str, Any] = {"sections": [], "error": None}
+        self.llm = None
+        self.prompts: dict[str, list[list[int]]] = {}
+        self.progress = lambda count: None
+        self.checkpoint = lambda: None
+        self._stats_fn = None
+        if cfg.get("checkout"):
+            import vllm_lookahead
+
+            # the plugin this engine imported (a ``...@PATH`` method: PATH's)
+            self.result["plugin_path"] = str(
+                Path(vllm_lookahead.__file__).resolve().parent)
+
+    @property
+    def interleaved(self) -> bool:
+        return self.turns is not None or self.in_group
+
+    def planned_prompts(self) -> int:
+        cfg = self.cfg
+        return (len(cfg["datasets"]) * len(cfg["batch_sizes"]) * cfg["prompts"]
+                * max(1, int(cfg.get("repeat", 1))))
+
+    def start(self) -> None:
+        """Load the prompts, build the engine (one at a time with the other
+        engines of an interleaved group) and warm it up."""
+        cfg, result, turns = self.cfg, self.result, self.turns
         from transformers import AutoTokenizer
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
         tokenizer = AutoTokenizer.from_pretrained(cfg["model_path"])
         prompts = {ds: _load_prompts(ds, cfg["prompts"], tokenizer) for ds in cfg["datasets"]}
+        self.prompts = prompts
         result["prompt_tokens"] = {ds: [len(p) for p in ps] for ds, ps in prompts.items()}
-        kind = cfg["kind"]
 
-        turns = Turns(cfg["turn"]) if cfg.get("turn") else None
         # one engine starts at a time (Turns.starting)
         with turns.starting() if turns is not None else contextlib.nullcontext():
             started = time.perf_counter()
@@ -355,6 +405,7 @@ def child_main(config_path: str, result_path: str) -> int:
                 seed=int(cfg.get("engine_seed", 0)),
                 disable_log_stats=False,
             )
+            self.llm = llm
             result["engine_start_s"] = time.perf_counter() - started
             longest = max((len(ps) for ps in prompts.values()), default=0)
             if longest:
@@ -376,32 +427,36 @@ def child_main(config_path: str, result_path: str) -> int:
                         structured_outputs=StructuredOutputsParams(json=schema)),
                         use_tqdm=False)
 
-        stats_fn = None
-        if kind == "lookahead":
+        if cfg["kind"] == "lookahead":
             from vllm_lookahead import get_lookahead_stats
 
-            stats_fn = get_lookahead_stats
-
-        def la_stats() -> dict | None:
-            if stats_fn is None:
-                return None
-            try:
-                return stats_fn(llm)
-            except Exception as exc:  # stats must never break the benchmark
-                result.setdefault("warnings", []).append(f"lookahead stats: {exc!r}")
-                return None
-
-        repeat = max(1, int(cfg.get("repeat", 1)))
+            self._stats_fn = get_lookahead_stats
         result["config_seen"] = None
-        after_warm = la_stats()
+        after_warm = self.la_stats()
         if after_warm is not None:
             result["config_seen"] = after_warm.get("config")
-        queued = bool(cfg.get("queue"))
-        if turns is not None:
-            turns.ready()
 
+    def la_stats(self) -> dict | None:
+        if self._stats_fn is None:
+            return None
+        try:
+            return self._stats_fn(self.llm)
+        except Exception as exc:  # stats must never break the benchmark
+            self.result.setdefault("warnings", []).append(f"lookahead stats: {exc!r}")
+            return None
+
+    def work(self):
+        """Every (dataset, batch size) section, ``--repeat`` passes each; a
+        generator that yields after every turn."""
+        from tqdm import tqdm
+        from vllm.inputs import TokensPrompt
+
+        cfg, result, turns, llm = self.cfg, self.result, self.turns, self.llm
+        kind = cfg["kind"]
+        repeat = max(1, int(cfg.get("repeat", 1)))
+        queued = bool(cfg.get("queue"))
         for ds in cfg["datasets"]:
-            token_lists = prompts[ds]
+            token_lists = self.prompts[ds]
             for bs in cfg["batch_sizes"]:
                 section: dict[str, Any] = {"dataset": ds, "batch_size": bs,
                                            "n_prompts": len(token_lists), "kind": kind,
@@ -409,7 +464,7 @@ def child_main(config_path: str, result_path: str) -> int:
                 try:
                     bar = tqdm(total=len(token_lists) * repeat, unit="prompt", leave=False,
                                desc=f"{cfg['label']} {ds} bs={bs}", file=sys.stderr,
-                               dynamic_ncols=True, disable=turns is not None)
+                               dynamic_ncols=True, disable=self.interleaved)
                     passes: list[dict[str, Any]] = []
                     done_tokens, done_s = 0, 0.0
                     # --repeat: the set again, after the previous pass ends
@@ -417,7 +472,7 @@ def child_main(config_path: str, result_path: str) -> int:
                         raw: dict[str, Any] = {"kind": kind}
                         # fresh per pass: vLLM writes into a request's params
                         params = make_params(cfg, ds, len(token_lists))
-                        metrics_before, la_before = _metric_values(llm), la_stats()
+                        metrics_before, la_before = _metric_values(llm), self.la_stats()
                         outputs: list[list[int]] = []
                         meter = Meter()
                         full: dict | None = {} if queued else None
@@ -429,20 +484,17 @@ def child_main(config_path: str, result_path: str) -> int:
                                      for p in token_lists[i:i + chunk]]
                             batch_params = params[i:i + chunk]
                             if queued:
-                                outs = generate_queued(
+                                outs = yield from queued_turns(
                                     llm.llm_engine, batch, batch_params, bs, full,
                                     hold=lambda: _turn(turns, meter),
-                                    turn_s=QUEUE_TURN_S if turns is not None else None)
+                                    turn_s=QUEUE_TURN_S if self.interleaved else None)
                             else:
                                 with _turn(turns, meter):
                                     outs = [list(c.token_ids)
                                             for o in llm.generate(batch, batch_params,
                                                                   use_tqdm=False)
                                             for c in sorted(o.outputs, key=lambda c: c.index)]
-                            if turns is not None:
-                                with open(cfg["turn"]["dir"] + f"/progress.{turns.index}",
-                                          "a") as f:
-                                    f.write(f"{len(batch)}\n")
+                            self.progress(len(batch))
                             outputs.extend(outs)
                             bar.update(len(batch))
                             so_far_s = meter.elapsed + done_s
@@ -450,6 +502,8 @@ def child_main(config_path: str, result_path: str) -> int:
                                 so_far = sum(map(len, outputs)) + done_tokens
                                 bar.set_postfix_str(f"{so_far / so_far_s:.1f} tok/s",
                                                     refresh=False)
+                            if not queued:
+                                yield  # the turn passes on
                         raw.update(
                             # every sample's tokens (n per prompt)
                             output_tokens=sum(map(len, outputs)),
@@ -461,7 +515,7 @@ def child_main(config_path: str, result_path: str) -> int:
                             metrics_before=metrics_before,
                             metrics_after=_metric_values(llm),
                             la_before=la_before,
-                            la_after=la_stats(),
+                            la_after=self.la_stats(),
                         )
                         passes.append(raw)
                         done_tokens += raw["output_tokens"]
@@ -473,7 +527,7 @@ def child_main(config_path: str, result_path: str) -> int:
                         section["passes"] = passes
                     fig = section_figures(section)
                     tqdm.write(
-                        f"   {ds} bs={bs}: {fig['output_tokens']} tokens in "
+                        f"   {cfg['label']} {ds} bs={bs}: {fig['output_tokens']} tokens in "
                         f"{fig['elapsed_s']:.1f} s, "
                         f"{_fmt('tokens_per_s', fig['tokens_per_s'])} tok/s, "
                         f"S {_fmt('step_compression', fig['step_compression'])}"
@@ -483,16 +537,169 @@ def child_main(config_path: str, result_path: str) -> int:
                         file=sys.stderr)
                 except Exception:
                     section["error"] = traceback.format_exc()
-                    tqdm.write(f"   {ds} bs={bs}: error {_short_error(section['error'])}",
-                               file=sys.stderr)
+                    tqdm.write(f"   {cfg['label']} {ds} bs={bs}: error "
+                               f"{_short_error(section['error'])}", file=sys.stderr)
                 result["sections"].append(section)
-                result["peak_rss_mb"] = _peak_rss_mb()
-                _write_json(out, result)  # partial results survive a later crash
+                if not self.in_group:
+                    result["peak_rss_mb"] = _peak_rss_mb()
+                self.checkpoint()  # partial results survive a later crash
+
+
+class EngineIsolation:
+    """What engines built in one process (``--one-process``) would share,
+    kept apart engine by engine.
+
+    - vLLM's Prometheus collectors: each engine's stat logger unregisters
+      the earlier engines' ``vllm:`` collectors from the global registry
+      at start-up, so ``LLM.get_metrics()`` would read the last engine's
+      counters whichever engine asks. Each engine's collectors are put
+      back while it runs its turn (they count its steps all along).
+    - The random streams (torch's default generator, Python's, NumPy's):
+      unseeded sampling draws from torch's default generator, which an
+      engine seeds at start-up (``LLM(seed=...)``). Each engine gets its
+      own stream back for its turn, so it draws what it would draw in a
+      process of its own.
+    - vLLM's CPU platform registers its fallbacks for Triton kernels
+      (``register_triton_kernel_overrides``) process-wide each time a worker
+      starts; a second registration would wrap the wrappers. After the
+      first engine the registration is skipped (:meth:`started`): a
+      benchmark-only adjustment, made nowhere else.
+    """
+
+    def __init__(self) -> None:
+        self._collectors: dict[int, list] = {}
+        self._rng: dict[int, tuple] = {}
+        self._skipped_overrides = False
+
+    @staticmethod
+    def _vllm_collectors() -> list:
+        from prometheus_client import REGISTRY
+
+        return [c for c in list(REGISTRY._collector_to_names)
+                if str(getattr(c, "_name", "")).startswith("vllm:")]
+
+    @staticmethod
+    def _random_state() -> tuple:
+        import random
+
+        import numpy as np
+        import torch
+
+        return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+    def started(self, job: EngineJob) -> None:
+        """``job``'s engine is built and warm: keep its collectors (the
+        registry holds just those now) and its random streams."""
+        self._collectors[id(job)] = self._vllm_collectors()
+        self._rng[id(job)] = self._random_state()
+        if not self._skipped_overrides:
+            from vllm.platforms import current_platform
+
+            type(current_platform).register_triton_kernel_overrides = classmethod(
+                lambda cls: None)
+            self._skipped_overrides = True
+
+    def enter(self, job: EngineJob) -> None:
+        """``job``'s turn: its collectors and random streams back."""
+        import random
+
+        import numpy as np
+        import torch
+        from prometheus_client import REGISTRY
+
+        for collector in self._vllm_collectors():
+            REGISTRY.unregister(collector)
+        for collector in self._collectors[id(job)]:
+            REGISTRY.register(collector)
+        torch_state, py_state, np_state = self._rng[id(job)]
+        torch.set_rng_state(torch_state)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+    def leave(self, job: EngineJob) -> None:
+        self._rng[id(job)] = self._random_state()
+
+
+def group_main(cfgs: list[dict[str, Any]], out: Path) -> dict[str, Any]:
+    """``--one-process``: every engine of ``cfgs`` built in this process,
+    one after another, then taking turns batch by batch (round robin, as
+    :class:`Turns` between processes), each turn timed alone. Returns
+    ``{"jobs": [each engine's result], "error": ..., "peak_rss_mb": ...}``
+    (peak RSS is the group's, all engines together)."""
+    from tqdm import tqdm
+
+    jobs = [EngineJob(cfg, in_group=True) for cfg in cfgs]
+    result: dict[str, Any] = {"jobs": [job.result for job in jobs], "error": None}
+    bar = tqdm(total=sum(job.planned_prompts() for job in jobs), unit="prompt",
+               desc=f"{len(jobs)} engines, one process", file=sys.stderr, leave=False,
+               dynamic_ncols=True)
+    isolation = EngineIsolation()
+    for job in jobs:
+        job.progress = bar.update
+        job.checkpoint = lambda: _write_json(out, result)
+    try:
+        live = []
+        for job in jobs:
+            try:
+                job.start()
+            except Exception:
+                job.result["error"] = traceback.format_exc()
+                tqdm.write(f"   {job.cfg['label']}: error {_short_error(job.result['error'])}",
+                           file=sys.stderr)
+                continue
+            isolation.started(job)
+            live.append((job, job.work()))
+        while live:
+            for item in list(live):
+                job, work = item
+                isolation.enter(job)
+                try:
+                    next(work)
+                except StopIteration:
+                    live.remove(item)
+                except Exception:
+                    job.result["error"] = traceback.format_exc()
+                    live.remove(item)
+                finally:
+                    isolation.leave(job)
     except BaseException:
         result["error"] = traceback.format_exc()
-    if cfg.get("turn"):
-        Turns(cfg["turn"]).finish()
+    bar.close()
     result["peak_rss_mb"] = _peak_rss_mb()
+    return result
+
+
+def child_main(config_path: str, result_path: str) -> int:
+    """Run one engine (or, ``--one-process``, a group of them: config key
+    ``group``) over every (dataset, batch size) and write the result."""
+    cfg = json.loads(Path(config_path).read_text(encoding="utf-8"))
+    out = Path(result_path)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if cfg.get("group"):
+        result = group_main(cfg["group"], out)
+    else:
+        turns = Turns(cfg["turn"]) if cfg.get("turn") else None
+        job = EngineJob(cfg, turns)
+        result = job.result
+        job.checkpoint = lambda: _write_json(out, result)
+        if turns is not None:
+            progress = Path(cfg["turn"]["dir"]) / f"progress.{turns.index}"
+
+            def report_progress(count: int) -> None:
+                with open(progress, "a") as f:
+                    f.write(f"{count}\n")
+
+            job.progress = report_progress
+        try:
+            job.start()
+            if turns is not None:
+                turns.ready()
+            drain(job.work())
+        except BaseException:
+            result["error"] = traceback.format_exc()
+        if turns is not None:
+            turns.finish()
+        result["peak_rss_mb"] = _peak_rss_mb()
     _write_json(out, result)
     # Skip interpreter teardown: vLLM's atexit/GC of an in-process engine can
     # hang or crash after the results are safely on disk.

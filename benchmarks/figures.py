@@ -256,10 +256,14 @@ def add_relative_figures(rows: list[dict[str, Any]],
     The reference is the vanilla row with the same model, dtype, dataset and
     batch size (and, for the rows of ``--repeat`` passes, the same passes).
     """
-    vanilla = {_ref_key(r): r for r in rows if r.get("kind") == "vanilla" and not r.get("error")}
+    vanilla: dict[tuple, dict[str, Any]] = {}
+    for r in rows:  # the first vanilla row listed (an A/A copy, vanilla#2, is not it)
+        if r.get("kind") == "vanilla" and not r.get("error"):
+            vanilla.setdefault(_ref_key(r), r)
     for row in rows:
         ref = vanilla.get(_ref_key(row))
         row["ratio"] = row["full_ratio"] = None
+        row["reference"] = ref is row
         if ref is not None and not row.get("error"):
             row["ratio"] = _ratio(row.get("tokens_per_s"), ref.get("tokens_per_s"))
             row["full_ratio"] = _ratio(row.get("full_tokens_per_s"),

@@ -111,6 +111,9 @@ def parse_method(text: str) -> Method:
         any of them followed by @PATH: the engine imports vllm_lookahead
             from the folder PATH (another checkout, e.g. a git worktree
             of an earlier commit) instead of the installed one
+        any of them followed by #TAG (last): another engine of the same
+            configuration, labelled apart (an A/A copy: vanilla#2); the
+            first vanilla listed stays the reference
             flags: nopool | pool | separate | fused | fixed (no planner:
                    the full tree every step) | adaptive | mem | nomem
                    (shared_memory true/false)
@@ -124,6 +127,13 @@ def parse_method(text: str) -> Method:
     label = text.strip()
     if not label:
         raise MethodSpecError("empty method")
+    body, sharp, tag = label.partition("#")
+    if sharp:
+        # another engine of the same configuration (an A/A copy), labelled apart
+        if not tag.strip() or not body.strip():
+            raise MethodSpecError(f"{label!r}: '#' needs a method before it and a tag after it")
+        method = parse_method(body)
+        return Method(label, method.kind, method.spec, method.checkout)
     body, at, checkout = label.partition("@")
     if at:
         checkout = checkout.strip()
@@ -224,7 +234,7 @@ def parse_methods(texts: Sequence[str]) -> list[Method]:
     dupes = sorted({x for x in labels if labels.count(x) > 1})
     if dupes:
         raise MethodSpecError(f"methods listed twice: {dupes}")
-    return sorted(methods, key=lambda m: m.kind != "vanilla")
+    return sorted(methods, key=lambda m: (m.kind != "vanilla", "#" in m.label))
 
 
 def suffix_unavailable() -> str | None:

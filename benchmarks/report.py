@@ -104,7 +104,8 @@ def render_table(rows: Sequence[dict[str, Any]]) -> str:
             else:
                 for _, width, key in COLUMNS[1:]:
                     text = _fmt(key, row.get(key))
-                    if key == "match" and row.get("kind") == "vanilla":
+                    if key == "match" and row.get("reference",
+                                                  row.get("kind") == "vanilla"):
                         text = "ref"
                     cells.append(f"{text:>{width}}")
             lines.append(" ".join(cells))
@@ -151,6 +152,8 @@ def _plot_title(meta: dict[str, Any]) -> str:
     parts.append("compiled" if args.get("compile") else "eager")
     if args.get("queue"):
         parts.append("batch = requests running, fed from a queue")
+    if args.get("one_process"):
+        parts.append("engines in one process")
     return " | ".join(p for p in parts if p)
 
 

@@ -873,6 +873,135 @@ def test_method_from_another_checkout(tmp_path) -> None:
 
 
 # --------------------------------------------------------------------------
+# --one-process: the engines of a group in one process; A/A copies (#TAG)
+# --------------------------------------------------------------------------
+
+def test_a_tagged_method_is_another_engine_of_the_same_configuration() -> None:
+    copy = methods.parse_method("vanilla#2")
+    assert (copy.label, copy.kind, copy.spec) == ("vanilla#2", "vanilla", None)
+    assert methods.parse_method("la:4,5,5,nomem#b").spec == \
+        methods.parse_method("la:4,5,5,nomem").spec
+    for bad in ("vanilla#", "#2", "vanilla# "):
+        with pytest.raises(methods.MethodSpecError, match="'#' needs"):
+            methods.parse_method(bad)
+    # the untagged vanilla is listed first (the reference), whatever the order given
+    assert [m.label for m in methods.parse_methods(["la", "vanilla#2", "vanilla"])] == \
+        ["vanilla", "vanilla#2", "la"]
+
+
+def test_the_reference_is_the_first_vanilla_row() -> None:
+    base = dict(model="m", dtype="d", dataset="x", batch_size=1)
+    rows = [dict(base, method="vanilla", kind="vanilla", tokens_per_s=10.0),
+            dict(base, method="vanilla#2", kind="vanilla", tokens_per_s=11.0),
+            dict(base, method="la", kind="lookahead", tokens_per_s=12.0)]
+    outputs = {figures.row_key(rows[0]): [[1, 2]], figures.row_key(rows[1]): [[1, 3]],
+               figures.row_key(rows[2]): [[1, 2]]}
+    figures.add_relative_figures(rows, outputs)
+    assert [r["ratio"] for r in rows] == pytest.approx([1.0, 1.1, 1.2])
+    assert [r["reference"] for r in rows] == [True, False, False]
+    assert rows[1]["match"] == [0, 1] and rows[2]["match"] == [1, 1]
+    table = report.render_table(rows)
+    copy_line = next(line for line in table.splitlines() if line.startswith("vanilla#2"))
+    assert copy_line.split()[-1] == "0/1"  # compared with the reference, not "ref"
+
+
+def test_one_process_takes_no_other_checkout(tmp_path, capsys) -> None:
+    pkg = tmp_path / "old" / "vllm_lookahead"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("", encoding="utf-8")
+    with pytest.raises(SystemExit):
+        bench.main(["--one-process", "--methods", "vanilla", f"la@{tmp_path / 'old'}"])
+    assert "--one-process imports one vllm_lookahead" in capsys.readouterr().err
+    assert "engines in one process" in report._plot_title(
+        {"args": vars(bench.build_parser().parse_args(["--one-process"]))})
+
+
+def test_queued_turns_yield_where_the_turn_passes() -> None:
+    """The queue as a generator: one yield per turn passed on (a request
+    joining after turn_s), the outputs its return value."""
+    from types import SimpleNamespace
+
+    class OneStepEngine:  # every request finishes on the step after it joins
+        def __init__(self):
+            self.live = []
+
+        def add_request(self, request_id, prompt, params):
+            self.live.append((request_id, prompt))
+            return request_id
+
+        def step(self):
+            outs = [SimpleNamespace(request_id=r, finished=True,
+                                    outputs=[SimpleNamespace(token_ids=[p])])
+                    for r, p in self.live]
+            self.live = []
+            return outs
+
+    work = child.queued_turns(OneStepEngine(), list("abcd"), None, 1,
+                              hold=contextlib.nullcontext, turn_s=0.0)
+    turns = 0
+    while True:
+        try:
+            next(work)
+            turns += 1
+        except StopIteration as stop:
+            assert stop.value == [["a"], ["b"], ["c"], ["d"]]
+            break
+    assert turns == 3  # b, c and d each joined on a new turn
+    assert child.generate_queued(OneStepEngine(), list("ab"), None, 1, hold=contextlib.nullcontext,
+                                 turn_s=0.0) == [["a"], ["b"]]
+
+
+def test_engines_in_one_process_take_turns_round_robin(tmp_path, monkeypatch) -> None:
+    """group_main: engines built one after another, then one turn each in
+    order; an engine that fails to start or breaks mid-way is reported and
+    the others go on; each turn runs between its engine's enter and leave."""
+    log = []
+
+    def start(self):
+        log.append(("start", self.cfg["label"]))
+        if self.cfg["label"] == "broken":
+            raise RuntimeError("no engine")
+        self.llm = object()
+
+    def work(self):
+        for turn in range(self.cfg["turns"]):
+            if self.cfg["label"] == "dies" and turn == 1:
+                raise RuntimeError("mid-way")
+            log.append(("turn", self.cfg["label"], turn))
+            self.result["sections"].append(turn)
+            yield
+
+    class Isolation:
+        def started(self, job):
+            log.append(("started", job.cfg["label"]))
+
+        def enter(self, job):
+            log.append(("enter", job.cfg["label"]))
+
+        def leave(self, job):
+            log.append(("leave", job.cfg["label"]))
+
+    monkeypatch.setattr(child.EngineJob, "start", start)
+    monkeypatch.setattr(child.EngineJob, "work", work)
+    monkeypatch.setattr(child, "EngineIsolation", Isolation)
+    cfgs = [dict(label=label, turns=turns, datasets=["x"], batch_sizes=[1], prompts=turns)
+            for label, turns in (("a", 2), ("broken", 2), ("dies", 3), ("b", 3))]
+    result = child.group_main(cfgs, tmp_path / "result.json")
+    assert [e for e in log if e[0] in ("start", "started")] == [
+        ("start", "a"), ("started", "a"), ("start", "broken"), ("start", "dies"),
+        ("started", "dies"), ("start", "b"), ("started", "b")]
+    turns = [e[1:] for e in log if e[0] == "turn"]
+    assert turns == [("a", 0), ("dies", 0), ("b", 0), ("a", 1), ("b", 1), ("b", 2)]
+    for k, entry in enumerate(log):  # every turn inside its engine's enter/leave
+        if entry[0] == "turn":
+            assert log[k - 1] == ("enter", entry[1]) and log[k + 1] == ("leave", entry[1])
+    jobs = result["jobs"]
+    assert result["error"] is None and jobs[0]["sections"] == [0, 1]
+    assert "no engine" in jobs[1]["error"] and "mid-way" in jobs[2]["error"]
+    assert jobs[3]["error"] is None and jobs[3]["sections"] == [0, 1, 2]
+
+
+# --------------------------------------------------------------------------
 # step_breakdown.py (pure parts)
 # --------------------------------------------------------------------------
 
