@@ -147,19 +147,24 @@ def _finish_child(child: _Child, timed_out: bool, timeout: float | None,
     return res
 
 
-def _run_child(cfg: dict[str, Any], timeout: float | None, verbose: bool) -> RunResult:
-    """One engine process, alone on the machine."""
-    child = _start_child(cfg, verbose)
-    timed_out = False
+def _wait(child: _Child, timeout: float | None) -> bool:
+    """Wait for a child process to end; killed (and True) past ``timeout``
+    seconds."""
     try:
         child.proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        timed_out = True
         _kill(child)
+        return True
     except KeyboardInterrupt:
         _kill(child)
         raise
-    return _finish_child(child, timed_out, timeout)
+    return False
+
+
+def _run_child(cfg: dict[str, Any], timeout: float | None, verbose: bool) -> RunResult:
+    """One engine process, alone on the machine."""
+    child = _start_child(cfg, verbose)
+    return _finish_child(child, _wait(child, timeout), timeout)
 
 
 def _run_interleaved(cfgs: list[dict[str, Any]], timeout: float | None, verbose: bool,
@@ -224,15 +229,7 @@ def _run_group(cfgs: list[dict[str, Any]], timeout: float | None,
     if any(cfg.get("checkout") for cfg in cfgs):
         raise ValueError("--one-process imports one vllm_lookahead: no METHOD@PATH entries")
     child = _start_child({"group": cfgs, "dtype": cfgs[0]["dtype"]}, verbose)
-    timed_out = False
-    try:
-        child.proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill(child)
-    except KeyboardInterrupt:
-        _kill(child)
-        raise
+    timed_out = _wait(child, timeout)
     data = _read_child(child)
     whole = _finish_child(child, timed_out, timeout, {
         k: v for k, v in data.items() if k != "jobs"})
