@@ -228,7 +228,7 @@ def _run_group(cfgs: list[dict[str, Any]], timeout: float | None,
     group; peak RSS is the group's."""
     if any(cfg.get("checkout") for cfg in cfgs):
         raise ValueError("--one-process imports one vllm_lookahead: no METHOD@PATH entries")
-    child = _start_child({"group": cfgs, "dtype": cfgs[0]["dtype"]}, verbose)
+    child = _start_child({"group": cfgs}, verbose)
     timed_out = _wait(child, timeout)
     data = _read_child(child)
     whole = _finish_child(child, timed_out, timeout, {
