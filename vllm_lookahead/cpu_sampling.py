@@ -177,12 +177,20 @@ def recovered_inv_q(num_draft_tokens: list[int], target_probs: torch.Tensor, gen
         if gen is not None:
             inv_q[i].exponential_(generator=gen).reciprocal_()
         else:
-            support = (target_probs[start:start + n] > 0).any(dim=0).nonzero().squeeze(1)
-            if support.numel():
-                draw = torch.empty(support.numel(), dtype=dtype, device=device).exponential_()
-                inv_q[i, support] = draw.reciprocal_()
+            _noise_on_support(inv_q[i], (target_probs[start:start + n] > 0).any(dim=0))
         start += n
     return inv_q
+
+
+def _noise_on_support(inv_q: torch.Tensor, support: torch.Tensor) -> None:
+    """Fill ``inv_q`` ``[vocab]`` (zeros) with the reciprocals of Exp(1)
+    draws where ``support`` (bool ``[vocab]``) holds, in index order, from
+    the default generator; elsewhere it stays 0 (the noise there would
+    multiply a probability of 0)."""
+    idx = support.nonzero().squeeze(1)
+    if idx.numel():
+        inv_q[idx] = torch.empty(idx.numel(), dtype=inv_q.dtype,
+                                 device=inv_q.device).exponential_().reciprocal_()
 
 
 def verify_sampled_rows(output: torch.Tensor, draft_token_ids: torch.Tensor,
@@ -283,10 +291,7 @@ def verify_sampled_rows(output: torch.Tensor, draft_token_ids: torch.Tensor,
             q = inv_q.get(i)
             if q is None:
                 q = torch.zeros(vocab, dtype=q_dtype, device=device)
-                support = (prob > 0).nonzero().squeeze(1)
-                if support.numel():
-                    q[support] = torch.empty(support.numel(), dtype=q_dtype,
-                                             device=device).exponential_().reciprocal_()
+                _noise_on_support(q, prob > 0)
             output[i, d] = int((prob * q.to(torch.float32)).argmax())
         alive = nxt
         d += 1
