@@ -554,9 +554,10 @@ class EngineIsolation:
       at start-up, so ``LLM.get_metrics()`` would read the last engine's
       counters whichever engine asks. Each engine's collectors are put
       back while it runs its turn (they count its steps all along).
-    - The random streams (torch's default generator, Python's, NumPy's):
-      unseeded sampling draws from torch's default generator, which an
-      engine seeds at start-up (``LLM(seed=...)``). Each engine gets its
+    - The random streams (torch's default generators, the CPU's and on a
+      GPU the devices', Python's, NumPy's): unseeded sampling draws from
+      torch's default generator of its device, which an engine seeds at
+      start-up (``LLM(seed=...)``). Each engine gets its
       own stream back for its turn, so it draws what it would draw in a
       process of its own.
     - vLLM's CPU platform registers its fallbacks for Triton kernels
@@ -585,7 +586,9 @@ class EngineIsolation:
         import numpy as np
         import torch
 
-        return torch.get_rng_state(), random.getstate(), np.random.get_state()
+        # on a GPU unseeded sampling draws from the devices' generators
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
 
     def started(self, job: EngineJob) -> None:
         """``job``'s engine is built and warm: keep its collectors (the
@@ -611,8 +614,10 @@ class EngineIsolation:
             REGISTRY.unregister(collector)
         for collector in self._collectors[id(job)]:
             REGISTRY.register(collector)
-        torch_state, py_state, np_state = self._rng[id(job)]
+        torch_state, cuda_state, py_state, np_state = self._rng[id(job)]
         torch.set_rng_state(torch_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state_all(cuda_state)
         random.setstate(py_state)
         np.random.set_state(np_state)
 
