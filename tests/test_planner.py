@@ -803,6 +803,31 @@ def test_end_shares_of_sixteen_tied_samples_sum_to_less_than_one():
     assert s[1] > s[0]
 
 
+def test_end_shares_of_many_parents_in_one_pass_are_each_parents_own():
+    """end_shares_many pads the parents' arrays to the largest: a parent's
+    shares must not depend on which others share its pass (grids of
+    different widths, 0/1/16 samples, drafts that never or always hit)."""
+    from vllm_lookahead.siblings import end_shares_many
+
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        parents = []
+        for _ in range(int(rng.integers(1, 6))):
+            n = int(rng.integers(0, 17))
+            rem = [int(x) for x in rng.integers(0, 80, size=n)]
+            if n and rng.random() < 0.3:
+                rem = [rem[0]] * n  # tied samples: the narrowest grid
+            draws = [(float(rng.choice([0.0, 1.0, rng.uniform(0, 1)])), int(rng.integers(0, 6)))
+                     for _ in range(n)]
+            parents.append((rem, draws))
+        together = end_shares_many(parents)
+        for parent, shares in zip(parents, together):
+            alone = end_shares_many([parent])[0]
+            assert len(shares) == len(parent[0])
+            assert shares == pytest.approx(alone, abs=1e-12)
+            assert all(0.0 <= s <= 1.0 for s in shares)
+
+
 def test_end_shares_agree_with_a_monte_carlo_of_the_model():
     """The grid integral against sampled ends: S_i normal with the module's
     mean and spread, the sample's gain A drawn from its pmf."""

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from vllm_lookahead.acceptance import P_MAX, RequestAcceptance, geometric_gain, window_root
 from vllm_lookahead.attn_mask import tree_size
-from vllm_lookahead.siblings import end_shares
+from vllm_lookahead.siblings import end_shares_many
 
 #: Steps a tree is expected to keep running once started, before the engine
 #: has seen any (a fused tree that starts without a checked chain confirms
@@ -182,8 +182,9 @@ def sibling_weights(groups: list, remaining: list, slot_value, end_value,
     parent when its last sample ends), in tokens of the step.
 
     Of what a sample's draft is expected to gain, the share that ends the
-    parent sooner (:func:`~vllm_lookahead.siblings.end_shares`: where the
-    sample would end last, by what it leaves it behind the next) is worth
+    parent sooner (:func:`~vllm_lookahead.siblings.end_shares`, every
+    parent's in one pass: where the sample would end last, by what it
+    leaves it behind the next) is worth
     ``end_value(k)`` tokens a parent step (``k``: the parent's live
     samples, :meth:`Planner.end_value`); the rest only frees the sample's
     batch slot a step earlier, worth ``slot_value(k)`` a token
@@ -208,8 +209,10 @@ def sibling_weights(groups: list, remaining: list, slot_value, end_value,
         per request, its weight (``RequestView.weight``).
     """
     out = [1.0] * len(groups)
-    for rows in sibling_rows(groups, remaining):
-        shares = end_shares([remaining[r] for r in rows], [draws[r] for r in rows])
+    parents = sibling_rows(groups, remaining)
+    every = end_shares_many([([remaining[r] for r in rows], [draws[r] for r in rows])
+                             for rows in parents])
+    for rows, shares in zip(parents, every):
         value, slot = end_value(len(rows)), slot_value(len(rows))
         for r, share in zip(rows, shares):
             out[r] = share * value + (1.0 - share) * slot
