@@ -300,7 +300,7 @@ def vanilla_samples(smollm2_path, prompt):
 def lookahead_run(smollm2_path, prompt):
     keys = ("drafts", "draft_tokens", "accepted_tokens", "decode_steps", "plain_sampler_steps",
             "verify_top_p_rows", "verify_top_p_fallback_rows", "verify_draft_rows",
-            "verify_rows_computed")
+            "verify_rows_computed", "verify_bonus_rows", "verify_bonus_rows_sampled")
     samples, delta = {}, {}
     with engine(smollm2_path, LOOKAHEAD, max_num_seqs=MAX_NUM_SEQS) as llm:
         if rejection_expand_is_broken():
@@ -406,6 +406,19 @@ def test_draft_rows_past_a_rejection_are_not_verified(lookahead_run):
     assert 0 < d["verify_rows_computed"] < d["verify_draft_rows"], d
     assert d["verify_rows_computed"] == d["verify_top_p_rows"], d
     assert lookahead_run["delta"]["t1"]["verify_draft_rows"] == 0
+
+
+@pytest.mark.e2e
+def test_bonus_rows_sampled_only_where_used(lookahead_run):
+    """In the unseeded arms' drafting steps the bonus tokens were sampled
+    after verification (patch 15, ``lazy_bonus``), only for the requests
+    that accepted their whole draft or had none: fewer rows than requests.
+    The distribution test above covers the tokens. A seeded batch keeps
+    vLLM's order of draws (every bonus row first)."""
+    for v in (*VARIANTS, SIBLINGS):
+        d = lookahead_run["delta"][v]
+        assert 0 < d["verify_bonus_rows_sampled"] < d["verify_bonus_rows"], (v, d)
+    assert lookahead_run["delta"][SEEDED]["verify_bonus_rows"] == 0
 
 
 @pytest.mark.e2e

@@ -72,12 +72,16 @@ MARGIN = 1e-4
 class TopPCounts:
     """Rows seen by :func:`top_k_top_p_rows` and rows left to the fallback;
     draft rows of sampled requests handed to :func:`verify_sampled_rows`
-    and rows it computed."""
+    and rows it computed; requests of drafting steps whose bonus tokens
+    :func:`~vllm_lookahead.lazy_bonus.forward` handled, and the bonus rows
+    it sampled (the others were not used)."""
 
     rows: int = 0
     fallback_rows: int = 0
     draft_rows: int = 0
     verified_rows: int = 0
+    bonus_rows: int = 0
+    bonus_rows_sampled: int = 0
 
 
 #: This process's counts (read by the workers' stats; one engine per

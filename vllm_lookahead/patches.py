@@ -129,7 +129,18 @@ every other method untouched:
     draw, so what a request samples is vLLM's; the rows past a rejection,
     which vLLM computes and throws away, are skipped (a 16-token draft's
     verification at batch 1 went from 24.7 to 11.6 ms on the AMX Xeon).
-    Every speculative method benefits.
+    And ``RejectionSampler.forward``, where no draft probabilities come and
+    every request samples unseeded with nothing vLLM's sampler reads by
+    batch row besides temperature, top-k and top-p (no penalties, bad
+    words, allowed token ids, logprobs, active logits processor, thinking
+    budget): it verifies first, with a marker for every bonus token, and
+    then samples with vLLM's sampler only the bonus rows the output uses
+    (requests that accepted their whole draft or had none), instead of
+    every request's bonus row before verifying
+    (:mod:`vllm_lookahead.lazy_bonus`; a rejected draft's bonus row, a
+    vocabulary sort under top-p, was thrown away). An unseeded bonus token
+    is an independent draw, so the distribution is vLLM's; any other batch
+    takes vLLM's path. Every speculative method benefits.
 """
 
 from __future__ import annotations
@@ -559,7 +570,7 @@ def _cheap_cpu_verification() -> None:
     import torch
     from vllm.v1.sample import rejection_sampler as rs
 
-    from vllm_lookahead import cpu_sampling
+    from vllm_lookahead import cpu_sampling, lazy_bonus
     from vllm_lookahead.cpu_sampling import (
         COUNTS,
         recovered_inv_q,
@@ -652,6 +663,19 @@ def _cheap_cpu_verification() -> None:
     rs.apply_sampling_constraints = apply_sampling_constraints
     rs.rejection_sample = rejection_sample
     cpu_sampling.LAZY_VERIFY = True
+
+    # The bonus tokens sampled after verification, only where used
+    # (lazy_bonus: unseeded sampled batches without per-row extras)
+    orig_forward = rs.RejectionSampler.forward
+
+    @functools.wraps(orig_forward)
+    def forward(self, metadata, draft_probs, logits, sampling_metadata):
+        if (draft_probs is not None or self.synthetic_mode or logits.device.type != "cpu"
+                or not lazy_bonus.applies(sampling_metadata)):
+            return orig_forward(self, metadata, draft_probs, logits, sampling_metadata)
+        return lazy_bonus.forward(self, metadata, logits, sampling_metadata, rs, COUNTS)
+
+    rs.RejectionSampler.forward = forward
 
 
 def install_logits_hook(model, owner) -> None:

@@ -165,6 +165,10 @@ def worker_stats(worker) -> dict | None:
     # (up to each draft's first rejection; patch 15)
     stats["verify_draft_rows"] = COUNTS.draft_rows
     stats["verify_rows_computed"] = COUNTS.verified_rows
+    # requests of drafting steps whose bonus token was sampled lazily, and
+    # the bonus rows sampled (the others were thrown away; patch 15)
+    stats["verify_bonus_rows"] = COUNTS.bonus_rows
+    stats["verify_bonus_rows_sampled"] = COUNTS.bonus_rows_sampled
     return stats
 
 

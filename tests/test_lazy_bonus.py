@@ -1,0 +1,187 @@
+"""A drafting step's bonus tokens sampled only where used (patch 15,
+``vllm_lookahead.lazy_bonus``), against vLLM 0.32's own rejection sampler
+on the CPU, without an engine."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_lookahead import lazy_bonus
+from vllm_lookahead.cpu_sampling import TopPCounts
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    """vLLM's RejectionSampler over its Sampler, with the CPU fallbacks of
+    its Triton kernels registered as a CPU worker registers them (and the
+    expand kernel fixed, patch 5)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_lookahead import patches
+
+    patches._fix_cpu_expand_kernel()
+    current_platform.register_triton_kernel_overrides()
+    return RejectionSampler(Sampler())
+
+
+def metadata(b: int, **over):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    def full(v):
+        return torch.full((b,), v, dtype=torch.float32)
+
+    fields = dict(
+        temperature=full(1.0), all_greedy=False, all_random=True, top_p=full(0.95),
+        top_k=None, generators={}, max_num_logprobs=None, no_penalties=True,
+        prompt_token_ids=None, frequency_penalties=full(0.0), presence_penalties=full(0.0),
+        repetition_penalties=full(1.0), output_token_ids=[[] for _ in range(b)],
+        spec_token_ids=[[] for _ in range(b)], allowed_token_ids_mask=None,
+        bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+    fields.update(over)
+    return SamplingMetadata(**fields)
+
+
+def spec(drafts: list[list[int]]):
+    """vLLM's metadata with its row order: each request's draft rows, then
+    its bonus row."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    md = SpecDecodeMetadata.make_dummy(drafts, "cpu")
+    target, bonus, row = [], [], 0
+    for d in drafts:
+        target += list(range(row, row + len(d)))
+        bonus.append(row + len(d))
+        row += len(d) + 1
+    md.target_logits_indices = torch.tensor(target, dtype=torch.int32)
+    md.bonus_logits_indices = torch.tensor(bonus, dtype=torch.int32)
+    return md, row
+
+
+def rs_module():
+    import vllm.v1.sample.rejection_sampler as rs
+
+    return rs
+
+
+def test_applies_only_where_rows_can_be_cut():
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+
+    assert lazy_bonus.applies(metadata(3))
+    inactive = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+    assert lazy_bonus.applies(metadata(3, logitsprocs=LogitsProcessors([inactive])))
+    active = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+    active.biases = {0: {5: 1.0}}
+    unknown = SimpleNamespace(is_argmax_invariant=lambda: True)
+    for over in (dict(generators={1: torch.Generator()}), dict(max_num_logprobs=0),
+                 dict(no_penalties=False), dict(bad_words_token_ids={0: [[3]]}),
+                 dict(allowed_token_ids_mask=torch.zeros(3, VOCAB, dtype=torch.bool)),
+                 dict(all_random=False), dict(logprob_token_ids={0: [1]}),
+                 dict(logitsprocs=LogitsProcessors([active])),
+                 dict(logitsprocs=LogitsProcessors([unknown]))):
+        assert not lazy_bonus.applies(metadata(3, **over)), over
+
+
+def test_rows_metadata_keeps_the_rows_asked():
+    sm = metadata(4, temperature=torch.tensor([0.5, 0.6, 0.7, 0.8]),
+                  top_k=torch.tensor([1, 2, 3, 4]),
+                  output_token_ids=[[1], [2], [3], [4]])
+    sub = lazy_bonus.rows_metadata(sm, [3, 1], 4)
+    assert sub.temperature.tolist() == pytest.approx([0.8, 0.6])
+    assert sub.top_k.tolist() == [4, 2] and sub.top_p.shape == (2,)
+    assert sub.output_token_ids == [[4], [2]] and sub.spec_token_ids == [[], []]
+    assert sub.repetition_penalties.shape == (2,) and sub.generators == {}
+    # token lists vLLM leaves empty (nothing reads them) stay empty
+    sub = lazy_bonus.rows_metadata(metadata(4, output_token_ids=[], spec_token_ids=[]), [2], 4)
+    assert sub.output_token_ids == [] and sub.spec_token_ids == []
+
+
+def test_bonus_rows_sampled_only_where_used(verifier):
+    """Peaked rows make every outcome certain: request 0 accepts its whole
+    draft (its bonus token follows), 1 has no draft (its bonus token is
+    its token), 2 rejects its first token (its recovered token, no bonus),
+    3 rejects its second. The tokens are what vLLM's own path gives, and
+    vLLM's sampler is called once, on the two bonus rows used."""
+    drafts = [[3, 4], [], [7, 8, 9], [10, 11]]
+    md, rows = spec(drafts)
+    logits = torch.full((rows, VOCAB), -30.0)
+    peaks = {0: 3, 1: 4, 2: 20, 3: 21, 4: 30, 5: 31, 6: 32, 7: 33, 8: 10, 9: 40, 10: 41}
+    for row, tok in peaks.items():  # request 0: 0-2, 1: 3, 2: 4-7, 3: 8-10
+        logits[row, tok] = 30.0
+    sm = metadata(4, output_token_ids=[], spec_token_ids=[])  # as vLLM's engine fills it
+    want = verifier(md, None, logits.clone(), sm).sampled_token_ids
+    calls = []
+    orig = verifier.sampler.forward
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["logits"].shape[0])
+        return orig(*args, **kwargs)
+
+    counts = TopPCounts()
+    verifier.sampler.forward = spy
+    try:
+        got = lazy_bonus.forward(verifier, md, logits.clone(), sm, rs_module(), counts)
+    finally:
+        del verifier.sampler.forward
+    assert got.sampled_token_ids.tolist() == want.tolist() == [
+        [3, 4, 20, -1], [21, -1, -1, -1], [30, -1, -1, -1], [10, 40, -1, -1]]
+    assert calls == [2]
+    assert (counts.bonus_rows, counts.bonus_rows_sampled) == (4, 2)
+    assert (got.sampled_token_ids != lazy_bonus.PENDING).all()
+
+
+def test_no_bonus_row_used_no_sampler_call(verifier):
+    drafts = [[7], [8]]
+    md, rows = spec(drafts)
+    logits = torch.zeros(rows, VOCAB)
+    logits[:, 1] = 30.0  # the drafts (7, 8) are never accepted
+    calls = []
+    orig = verifier.sampler.forward
+    verifier.sampler.forward = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        out = lazy_bonus.forward(verifier, md, logits, metadata(2), rs_module())
+    finally:
+        del verifier.sampler.forward
+    assert out.sampled_token_ids[:, 0].tolist() == [1, 1] and calls == []
+
+
+def test_the_distribution_is_vllms(verifier):
+    """Unseeded requests whose drafts are accepted about a third of the
+    time: the joint frequencies of (first token, second token) over 12000
+    requests match vLLM's own path within sampling error."""
+    n, rounds = 2000, 6
+    drafts = [[2]] * n
+    md, rows = spec(drafts)
+    # a few tokens hold the mass (the joint's categories stay few, so the
+    # sampling error of the distance is small)
+    draft_row = torch.full((VOCAB,), -30.0)
+    draft_row[:4] = torch.tensor([3.0, 2.5, 3.2, 2.0])  # the draft (2): p about 0.38
+    bonus_row = torch.full((VOCAB,), -30.0)
+    bonus_row[10:13] = torch.tensor([3.0, 3.5, 2.8])
+    logits = torch.stack([draft_row, bonus_row]).repeat(n, 1)
+    freq = []
+    for lazy in (False, True):
+        torch.manual_seed(11)
+        counts: dict = {}
+        for _ in range(rounds):
+            sm = metadata(n)
+            if lazy:
+                out = lazy_bonus.forward(verifier, md, logits.clone(), sm, rs_module())
+            else:
+                out = verifier(md, None, logits.clone(), sm)
+            for row in out.sampled_token_ids.tolist():
+                counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+        freq.append(counts)
+    keys = set(freq[0]) | set(freq[1])
+    tv = 0.5 * sum(abs(freq[0].get(k, 0) - freq[1].get(k, 0)) for k in keys) / (n * rounds)
+    accepted = sum(c for k, c in freq[1].items() if k[0] == 2) / (n * rounds)
+    assert 0.25 < accepted < 0.5 and len(keys) >= 5
+    assert tv < 0.025, tv
