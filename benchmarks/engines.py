@@ -119,6 +119,13 @@ def _read_child(child: _Child) -> dict[str, Any]:
     return data
 
 
+def _engine_result(data: dict[str, Any]) -> RunResult:
+    """An engine's sections and other figures from its result JSON (its
+    error is the caller's to judge)."""
+    return RunResult(sections=data.get("sections", []),
+                     info={k: v for k, v in data.items() if k not in ("sections", "error")})
+
+
 def _finish_child(child: _Child, timed_out: bool, timeout: float | None,
                   data: dict[str, Any] | None = None) -> RunResult:
     """Collect an ended child's result (``timed_out``: it was killed;
@@ -127,9 +134,7 @@ def _finish_child(child: _Child, timed_out: bool, timeout: float | None,
     if data is None:
         data = _read_child(child)
     wall = time.perf_counter() - child.started
-    res = RunResult()
-    res.sections = data.get("sections", [])
-    res.info = {k: v for k, v in data.items() if k not in ("sections", "error")}
+    res = _engine_result(data)
     res.info["process_wall_s"] = wall
     res.info["returncode"] = proc.returncode
     if hasattr(os, "getloadavg"):
@@ -236,8 +241,7 @@ def _run_group(cfgs: list[dict[str, Any]], timeout: float | None,
     jobs = data.get("jobs") or [{} for _ in cfgs]
     results = []
     for job in jobs:
-        res = RunResult(sections=job.get("sections", []))
-        res.info = {k: v for k, v in job.items() if k not in ("sections", "error")}
+        res = _engine_result(job)
         res.info.update({k: v for k, v in whole.info.items() if k != "peak_rss_mb"})
         res.info["group_peak_rss_mb"] = data.get("peak_rss_mb")
         res.info["one_process"] = True

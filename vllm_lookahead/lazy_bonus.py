@@ -112,10 +112,10 @@ def forward(verifier, metadata, logits: torch.Tensor, sm, rs, counts=None):
     (``bonus_rows`` / ``bonus_rows_sampled``)."""
     from vllm.v1.outputs import SamplerOutput
 
-    bonus_logits = logits[metadata.bonus_logits_indices]
     # vLLM's order from here: the target rows in float32 (indexing copied
-    # them), its logits processors, temperature and top-k/top-p (deferred
-    # to rejection_sample by patch 15 where it can)
+    # them, so ``logits`` stays as it came: the bonus rows are read from it
+    # at the end), its logits processors, temperature and top-k/top-p
+    # (deferred to rejection_sample by patch 15 where it can)
     target_logits = logits[metadata.target_logits_indices].to(torch.float32)
     target_logits = verifier.apply_logits_processors(target_logits, sm, metadata)
     target_logits = rs.apply_sampling_constraints(target_logits, metadata.cu_num_draft_tokens,
@@ -133,7 +133,7 @@ def forward(verifier, metadata, logits: torch.Tensor, sm, rs, counts=None):
         counts.bonus_rows_sampled += int(where.shape[0])
     if where.shape[0]:
         rows = where[:, 0]
-        sampled = verifier.sampler(logits=bonus_logits[rows],
+        sampled = verifier.sampler(logits=logits[metadata.bonus_logits_indices[rows]],
                                    sampling_metadata=rows_metadata(sm, rows.tolist(), batch),
                                    predict_bonus_token=True).sampled_token_ids
         output[rows, where[:, 1]] = sampled.view(-1).to(output.dtype)
