@@ -624,3 +624,43 @@ def test_samples_of_one_parent_are_planned_by_who_ends_last():
     assert drafts == [[6, 9, 4], [], [6, 9, 4]]
     assert stats.sibling_ahead_steps == 1  # the one ahead, in the step
     assert stats.sibling_steps == 2  # the two samples
+
+
+def test_a_step_prices_the_bonus_rows_only_where_every_request_allows_them():
+    """A sampled request's poor guess is drafted where a rejected draft
+    saves its bonus row (patch 15's lazy_bonus), and only when every
+    request of the step lets vLLM's rows be cut (``state.lazy_bonus``): one
+    request with, say, penalties keeps the whole batch on vLLM's path, and
+    nothing is saved."""
+    from vllm_lookahead.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner import Planner
+
+    cfg = LookaheadConfig(ngram_size=3, window_size=2, guess_set_size=2, mode="fused")
+    prior = AcceptancePrior(max_cands=2, p_unchecked=0.05, tree_cands=[0.0, 0.0],
+                            tree_window=0.0)
+    text = [4, 5, 6, 9, 4, 5]
+    tokens = np.zeros((2, 64), dtype=np.int32)
+    tokens[:, : len(text)] = text
+
+    def no_trees(rows):  # pragma: no cover - must not run
+        raise AssertionError(rows)
+
+    def run(allow):
+        stats = LookaheadStats()
+        step = StepDrafter(cfg, True, 1000, stats, prior)
+        # a draft token's forward: 1 ms; the bonus row a rejection saves: 4 ms
+        curve = CostCurve.flat(0.05, 0.02)
+        curve = CostCurve(curve.points, {"sampled": {1: (0.0005, 0.0003, 0.004)}})
+        step.planner = Planner(CostModel(curve))
+        step.planner.lazy_verify = True
+        live = []
+        for i, ok in enumerate(allow):
+            s = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
+                          tokens[i], len(text), len(text), None, False, 0, prior)
+            s.sampled, s.lazy_bonus = True, ok
+            live.append(Live(i, s, len(text), 3, []))
+        drafts, _ = step.run(live, 2, 2, 3, True, tokens, no_trees)
+        return drafts
+
+    assert all(run([True, True]))
+    assert run([True, False]) == [[], []]

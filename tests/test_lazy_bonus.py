@@ -185,3 +185,57 @@ def test_the_distribution_is_vllms(verifier):
     accepted = sum(c for k, c in freq[1].items() if k[0] == 2) / (n * rounds)
     assert 0.25 < accepted < 0.5 and len(keys) >= 5
     assert tv < 0.025, tv
+
+
+def test_request_applies_predicts_the_batches_it_allows():
+    """What the planner reads to price a rejected draft's skipped bonus row
+    (``RequestState.lazy_bonus``): only a request that leaves
+    :func:`lazy_bonus.applies` true for its batches."""
+    from vllm import SamplingParams
+
+    assert lazy_bonus.request_applies(SamplingParams(temperature=0.8, top_p=0.95))
+    assert lazy_bonus.request_applies(SamplingParams(temperature=0.8, top_k=20))
+    assert not lazy_bonus.request_applies(None)
+    assert not lazy_bonus.request_applies(SamplingParams(temperature=0.0))
+    for over in (dict(seed=3), dict(logprobs=2), dict(presence_penalty=0.5),
+                 dict(frequency_penalty=0.1), dict(repetition_penalty=1.1),
+                 dict(min_p=0.05), dict(min_tokens=4), dict(logit_bias={5: 1.0}),
+                 dict(allowed_token_ids=[1, 2, 3]), dict(bad_words=["x"])):
+        assert not lazy_bonus.request_applies(SamplingParams(temperature=0.8, **over)), over
+
+
+def test_measure_verify_times_accepted_and_rejected_drafts(verifier):
+    """The start-up measurement of vLLM's verification (warmup.measure_verify)
+    runs vLLM's samplers on its synthetic rows: the one-token drafts it
+    times as accepted are accepted and those it times as rejected are
+    rejected (so ``bonus``, the accepted over the rejected, is what a lazy
+    verifier skips), and every entry is ``(first, next, bonus)``."""
+    from vllm_lookahead import warmup
+
+    seen = []
+
+    class Spy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, md, draft_probs, logits, sm):
+            out = self.inner(md, draft_probs, logits, sm)
+            seen.append((md.draft_token_ids.tolist(), md.num_draft_tokens,
+                         out.sampled_token_ids.tolist()))
+            return out
+
+    runner = SimpleNamespace(
+        device=torch.device("cpu"), sampler=verifier.sampler, rejection_sampler=Spy(verifier),
+        model_config=SimpleNamespace(get_vocab_size=lambda: 512, dtype=torch.float32))
+    table = warmup._measure_verify(runner, [1, 2])
+    assert set(table) == {"sampled", "greedy"}
+    for kind in table.values():
+        assert set(kind) == {1, 2}
+        for row in kind.values():
+            assert len(row) == 3 and all(x >= 0 for x in row)
+    every = [(tokens, out) for tokens, nums, out in seen if len(nums) == 2 and nums == [1, 1]]
+    hits = [out for tokens, out in every if tokens == [1, 1]]
+    misses = [out for tokens, out in every if tokens == [511, 511]]
+    assert hits and misses
+    assert all(row[0] == 1 and row[1] >= 0 for out in hits for row in out)  # accepted, bonus
+    assert all(row[0] != 511 and row[1] == -1 for out in misses for row in out)  # rejected

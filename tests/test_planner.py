@@ -923,6 +923,19 @@ def test_verify_costs_interpolate_by_batch_and_kind():
     assert c.verify_at(16, True) == (0.004, 0.0008)  # the largest measured batch's
     assert c.verify_at(3, False) == (0.0002, 0.0)
     assert CostCurve({1: [(1, STEP)]}).verify_at(1, True) == (0.0, 0.0)  # not measured
+    # the bonus row a rejected draft saves: 0 where not given (an older file)
+    assert c.bonus_at(2, True) == 0.0
+    b = CostCurve({1: [(1, STEP)]}, {"sampled": {1: (0.002, 0.0004, 0.003),
+                                                 4: (0.004, 0.0008, 0.0015)}})
+    assert b.verify_at(2, True) == pytest.approx((0.002 + 0.002 / 3, 0.0004 + 0.0004 / 3))
+    assert b.bonus_at(2, True) == pytest.approx(0.0025)
+    assert b.bonus_at(2, False) == 0.0
+    assert CostModel(b).bonus(16, True) == pytest.approx(0.0015)
+    assert CostCurve.from_dict(b.to_dict(), b.verify_dict()).verify == b.verify
+    with pytest.raises(ValueError, match="verification cost"):
+        CostCurve({1: [(1, STEP)]}, {"sampled": {1: (0.1, 0.1, 0.1, 0.1)}})
+    with pytest.raises(ValueError, match="verification cost"):
+        CostCurve({1: [(1, STEP)]}, {"sampled": {1: (0.1, 0.1, -0.1)}})
     assert CostModel(c).verify(4, True) == (0.004, 0.0008)
     with pytest.raises(ValueError, match="verification"):
         CostCurve({1: [(1, STEP)]}, {"beam": {1: (0.1, 0.1)}})
@@ -984,6 +997,58 @@ def test_a_lazy_verifier_prices_the_rows_it_computes():
     k, p = lazy[0].draft, acc.unchecked_p("suffix4") * acc.prior.calibration
     assert lazy[0].extra_s == pytest.approx(0.004 + 0.002 * (verified_rows(k, p) - 1))
     assert every[0].extra_s == pytest.approx(0.004 + 0.002 * (every[0].draft - 1))
+
+
+def test_a_draft_rejected_anywhere_saves_its_lazy_bonus_row():
+    """Where the verifier samples a request's bonus row only after its
+    whole draft is accepted (patch 15's lazy_bonus), a draft's price counts
+    the row it is expected to save, ``bonus * (1 - p^k)``: on a machine
+    where that row costs more than a draft token's forward (the CPU's
+    full-vocabulary top-p sort), a draft of a poor guess pays, where it does
+    not without the saving or where the bonus row is not lazy."""
+    from vllm_lookahead.planner import bonus_saving, verified_rows
+
+    assert bonus_saving(0.002, 0, 0.3) == 0.0
+    assert bonus_saving(0.0, 3, 0.3) == 0.0
+    assert bonus_saving(0.002, 1, 0.25) == pytest.approx(0.0015)
+    assert bonus_saving(0.002, 3, 1.0) == 0.0  # always accepted: never saved
+    assert bonus_saving(0.002, 3, 0.0) == pytest.approx(0.002)
+    planner = Planner(CostModel(CostCurve.flat(0.03, 0.02)))  # a token: 0.6 ms
+    poor = acceptance(p_unchecked=0.01, tree_by_g=[0.0] * 8, window_extra=0.0)
+    verify = (0.0005, 0.0003)
+    assert planner.plan([view(poor, unchecked=4, trees=False, verify=verify,
+                              lazy=True)]) == [OFF]
+    assert planner.plan([view(poor, unchecked=4, trees=False, verify=verify,
+                              bonus=0.002)]) == [OFF]  # not lazy: nothing skipped
+    plan = planner.plan([view(poor, unchecked=4, trees=False, verify=verify, lazy=True,
+                              bonus=0.002)])
+    assert plan[0].kind == "draft"
+    k, p = plan[0].draft, poor.unchecked_p("suffix4") * poor.prior.calibration
+    assert plan[0].extra_s == pytest.approx(
+        0.0005 + 0.0003 * (verified_rows(k, p) - 1) - 0.002 * (1 - p ** k))
+    assert plan[0].extra_s < 0
+
+
+def test_the_quiet_bound_counts_the_most_a_bonus_row_saves():
+    """any_pays bounds a draft's cost from below: with lazy bonus rows the
+    verification less a whole bonus row, so a sampled batch whose best
+    guess pays only through the saving is not skipped as quiet."""
+    pts = curve_from(lambda t: 1 + 0.02 * (t - 1)).points
+    verify = {"sampled": {1: (0.02 * STEP, 0.01 * STEP, 0.0)},
+              "greedy": {1: (0.01 * STEP, 0.0, 0.0)}}
+    prior = AcceptancePrior(max_cands=8, p_unchecked=0.02)
+    views = [view(RequestAcceptance(prior), trees=False) for _ in range(4)]
+    best = BestCase.of(views, prior, sampled=True)
+    planner = Planner(CostModel(CostCurve(pts, verify)))
+    planner.lazy_verify = True
+    assert not planner.any_pays(4, best)
+    saving = {**verify, "sampled": {1: (0.02 * STEP, 0.01 * STEP, 0.2 * STEP)}}
+    planner = Planner(CostModel(CostCurve(pts, saving)))
+    assert planner.bonus(4) == 0.0  # a verifier that is not lazy skips no row
+    planner.lazy_verify = True
+    assert planner.bonus(4) == pytest.approx(0.2 * STEP)
+    assert planner.any_pays(4, best)
+    assert not planner.any_pays(4, BestCase.of(views, prior, sampled=False))
 
 
 def test_the_cost_model_learns_the_forward_apart_from_the_verification():

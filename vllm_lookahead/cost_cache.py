@@ -88,8 +88,10 @@ class CostCache:
 def load_curve(path: str | os.PathLike, key: dict | None = None) -> CostCurve | None:
     """A curve from a file written by :class:`CostCache` (or by hand:
     ``{"version": 2, "curve": {"1": [[1, 0.05], [16, 0.07]]}}``, and
-    optionally ``"verify": {"sampled": {"1": [0.003, 0.0005]}}``, seconds;
-    version 1 files have no ``verify``). With
+    optionally ``"verify": {"sampled": {"1": [0.003, 0.0005]}}``, seconds,
+    a third figure per batch the bonus row a rejected draft saves,
+    :attr:`~.cost_model.CostCurve.verify`; version 1 files have no
+    ``verify``). With
     ``key``, the file's key must equal it. None, with a warning, for a
     missing key match, a corrupt file or one of another version; None
     silently for a missing file."""

@@ -67,12 +67,17 @@ class CostCurve:
             one token (``first_s``), and per further draft token of that
             request (``next_s``) -- the sampler's work only (logits rows,
             top-p, recovered tokens), not the forward's, which ``points``
-            time. Empty: not measured (the planner then counts nothing for
-            it, and the steps seen teach it as they can).
+            time -- and ``bonus_s``, what the request's bonus row costs
+            where a lazy verifier samples it only after a wholly accepted
+            draft (patch 15's ``lazy_bonus``; ``first_s`` counts it, a
+            draft rejected anywhere saves it; 0 where nothing skips it, or
+            in a file without it): ``{kind: {batch: (first_s, next_s,
+            bonus_s)}}``. Empty: not measured (the planner then counts
+            nothing for it, and the steps seen teach it as they can).
     """
 
     points: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
-    verify: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    verify: dict[str, dict[int, tuple[float, float, float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         clean = {}
@@ -91,10 +96,11 @@ class CostCurve:
                 raise ValueError(f"bad verification kind {kind!r} (want one of {VERIFY_KINDS})")
             rows = {}
             for b, pair in table.items():
-                first, nxt = (float(x) for x in pair)
-                if int(b) < 1 or not all(x >= 0 and math.isfinite(x) for x in (first, nxt)):
+                vals = tuple(float(x) for x in pair)
+                if (int(b) < 1 or len(vals) not in (2, 3)
+                        or not all(x >= 0 and math.isfinite(x) for x in vals)):
                     raise ValueError(f"bad verification cost for batch {b}: {pair}")
-                rows[int(b)] = (first, nxt)
+                rows[int(b)] = vals if len(vals) == 3 else (*vals, 0.0)
             if rows:
                 verify[kind] = dict(sorted(rows.items()))
         self.verify = verify
@@ -151,9 +157,19 @@ class CostCurve:
         ``batch``-request step (``sampled``: a sampled request, else a
         greedy one): linear in the batch size between measured sizes, the
         nearest measured size outside them; ``(0, 0)`` if not measured."""
+        first, nxt, _ = self._verify_row(batch, sampled)
+        return first, nxt
+
+    def bonus_at(self, batch: int, sampled: bool) -> float:
+        """``bonus_s`` of :attr:`verify` (as :meth:`verify_at`): what a
+        draft rejected anywhere saves of ``first_s`` where the verifier
+        samples bonus rows lazily; 0 if not measured."""
+        return self._verify_row(batch, sampled)[2]
+
+    def _verify_row(self, batch: int, sampled: bool) -> tuple[float, float, float]:
         table = self.verify.get("sampled" if sampled else "greedy")
         if not table:
-            return (0.0, 0.0)
+            return (0.0, 0.0, 0.0)
         batch = max(int(batch), 1)
         bs = list(table)
         if batch <= bs[0]:
@@ -343,6 +359,16 @@ class CostModel:
         priced with it); :meth:`verify_seen` is what the steps taught."""
         return self.curve.verify_at(batch, sampled)
 
+    def bonus(self, batch: int, sampled: bool) -> float:
+        """What a request's bonus row costs in a ``batch``-request step
+        where the verifier samples it only after a wholly accepted draft
+        (:meth:`CostCurve.bonus_at`, measured with the curve; nothing timed
+        while the engine runs moves it): a draft rejected anywhere saves
+        it, so a sampled draft's verification may cost less than nothing
+        (on the CPU, where vLLM's plain top-p sorts the vocabulary and a
+        draft row's top-p does not, patch 15)."""
+        return self.curve.bonus_at(batch, sampled)
+
     def verify_seen(self, batch: int, sampled: bool) -> tuple[float, float]:
         """:meth:`verify` as the steps corrected it, ``(first, next)``
         seconds: what the planner prices an unseeded request's draft with.
@@ -485,7 +511,8 @@ class CostModel:
             "source": self.source,
             "curve_ms": {str(b): [[t, round(s * 1e3, 3)] for t, s in pts]
                          for b, pts in self.curve.points.items()},
-            # per kind and batch: [first draft token, each next one]
+            # per kind and batch: [first draft token, each next one, the
+            # bonus row a rejected draft saves]
             "verify_ms": {kind: {str(b): [round(x * 1e3, 3) for x in pair]
                                  for b, pair in table.items()}
                           for kind, table in self.curve.verify.items()},

@@ -56,6 +56,29 @@ def applies(sm) -> bool:
     return all(_inactive(p) for p in sm.logitsprocs.all)
 
 
+def request_applies(params) -> bool:
+    """Whether a request with vLLM ``SamplingParams`` ``params`` leaves
+    :func:`applies` true for the batches it is in (what the planner reads
+    to price a draft's bonus row, ``CostModel.bonus``): sampled, unseeded,
+    no logprobs, penalties at their neutral values, and none of the
+    per-request lists or processors :func:`applies` rules out. Decided at
+    run time by :func:`applies` alone: this only predicts it."""
+    if params is None or float(getattr(params, "temperature", 0.0) or 0.0) < 1e-5:
+        return False
+    if getattr(params, "seed", None) is not None or getattr(params, "logprobs", None) is not None:
+        return False
+    if getattr(params, "logprob_token_ids", None):
+        return False
+    neutral = (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+               ("repetition_penalty", 1.0), ("min_p", 0.0), ("min_tokens", 0))
+    if any(float(getattr(params, name, value) or value) != value for name, value in neutral):
+        return False
+    for name in ("bad_words", "allowed_token_ids", "logit_bias", "thinking_token_budget"):
+        if getattr(params, name, None):
+            return False
+    return True
+
+
 def _inactive(processor) -> bool:
     """vLLM's built-in logits processors with no request using them (they
     index their own per-row state); any other processor counts as active."""

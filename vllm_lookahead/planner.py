@@ -103,6 +103,12 @@ class RequestView:
         verify: seconds vLLM's verifier adds for a draft of the request,
             ``(first token, each next one)``
             (:meth:`~vllm_lookahead.cost_model.CostModel.verify`).
+        lazy: its draft rows are verified lazily (rows past the first
+            rejection cost nothing).
+        bonus: seconds of ``verify[0]`` a draft saves where it is rejected
+            anywhere (its bonus row, sampled lazily only after a wholly
+            accepted draft,
+            :meth:`~vllm_lookahead.cost_model.CostModel.bonus`; 0: none).
     """
 
     acc: RequestAcceptance
@@ -118,6 +124,7 @@ class RequestView:
     weight: float = 1.0
     verify: tuple[float, float] = (0.0, 0.0)
     lazy: bool = False
+    bonus: float = 0.0
 
     def draft_p(self, tree: bool = False) -> float:
         """Per-token acceptance of the draft this request hands the
@@ -132,9 +139,13 @@ class RequestView:
         each accepted with probability ``p`` (given the ones before):
         where the request's draft rows are verified lazily (``lazy``), a
         row past the first rejection costs nothing
-        (:func:`verified_rows`)."""
-        return verify_seconds(self.verify, draft,
-                              verified_rows(draft, p) if self.lazy else None)
+        (:func:`verified_rows`), and where its bonus row is sampled
+        lazily (``bonus``) a draft rejected anywhere saves that row
+        (:func:`bonus_saving`): the result may be below 0."""
+        if not self.lazy:
+            return verify_seconds(self.verify, draft)
+        return (verify_seconds(self.verify, draft, verified_rows(draft, p))
+                - bonus_saving(self.bonus, draft, p))
 
 
 def verified_rows(draft: int, p: float) -> float:
@@ -161,6 +172,16 @@ def verify_seconds(verify: tuple[float, float], draft: int, rows: float | None =
     if draft <= 0:
         return 0.0
     return verify[0] + verify[1] * ((draft if rows is None else max(rows, 1.0)) - 1)
+
+
+def bonus_saving(bonus: float, draft: int, p: float) -> float:
+    """Expected seconds a draft of ``draft`` tokens, each accepted with
+    probability ``p`` (given the ones before), saves of its verification
+    where its bonus row, ``bonus`` seconds, is sampled only after the whole
+    draft is accepted: ``bonus * (1 - p^draft)``; 0 without a draft."""
+    if draft <= 0 or bonus <= 0:
+        return 0.0
+    return bonus * (1.0 - min(max(p, 0.0), 1.0) ** draft)
 
 
 def sibling_rows(groups: list, remaining: list) -> list[list[int]]:
@@ -410,6 +431,7 @@ class Planner:
         table, roots = _tree_table(n, v.window_size, v.guess_set_size)
         cap, room, verify = n - 1, v.room, v.verify
         lazy_p = v.draft_p(tree=True) if v.lazy else None
+        bonus = v.bonus if v.lazy else 0.0
         for (w, g, nodes), m in zip(table, acc.tree_gains(roots)):
             if m > cap:
                 m = cap
@@ -424,7 +446,8 @@ class Planner:
             out.append(_shape(("tree", d, w, g, nodes, 1 + gain,
                                extra_1 + verify_seconds(
                                    verify, d, None if lazy_p is None
-                                   else verified_rows(d, lazy_p)))))
+                                   else verified_rows(d, lazy_p))
+                               - (bonus_saving(bonus, d, lazy_p) if bonus else 0.0))))
         return out
 
     #: What a seeded request's draft costs beyond the forward's rows, in
@@ -473,6 +496,15 @@ class Planner:
         it); ``(0, 0)`` for a cost without it (a bare curve in tests)."""
         measured = getattr(self.cost, "verify", None)
         return measured(batch, sampled) if callable(measured) else (0.0, 0.0)
+
+    def bonus(self, batch: int) -> float:
+        """What a sampled request's bonus row costs in a ``batch``-request
+        step where it is sampled lazily (:meth:`CostModel.bonus`; 0 for a
+        cost without it, or where the verifier is not lazy)."""
+        measured = getattr(self.cost, "bonus", None)
+        if not self.lazy_verify or not callable(measured):
+            return 0.0
+        return measured(batch, True)
 
     def verify_seen(self, batch: int, sampled: bool) -> tuple[float, float]:
         """:meth:`verify` as the steps seen corrected it
@@ -570,10 +602,13 @@ class Planner:
             elif cost < 0:
                 least = -math.inf
 
+        # a draft rejected anywhere saves its bonus row where the verifier
+        # samples it lazily (all sampled: the most it may save)
+        saved = self.bonus(batch) if best.sampled else 0.0
         for k in draft_lengths(best.max_draft):
             # a lazy verifier computes one row at least
             weigh(geometric_gain(best.p_unchecked, k), 1 + k, False,
-                  first + nxt * (0 if self.lazy_verify else k - 1))
+                  first + nxt * (0 if self.lazy_verify else k - 1) - saved)
         for gain, nodes in best.trees.values():
             weigh(gain, 1 + nodes, True)
         return least

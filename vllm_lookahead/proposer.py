@@ -25,6 +25,7 @@ import numpy as np
 
 from vllm.logger import init_logger
 
+from vllm_lookahead import lazy_bonus
 from vllm_lookahead.acceptance import AcceptancePrior
 from vllm_lookahead.config import (
     ADDITIONAL_CONFIG_KEY,
@@ -312,6 +313,7 @@ class LookaheadProposer:
                           seeded, self.cfg.seed, self.prior)
         state.group = sibling_group(req_id)
         state.sampled = _sampling(params)
+        state.lazy_bonus = lazy_bonus.request_applies(params)
         if self.memory is not None and settings.enabled and settings.shared_memory:
             extra = getattr(params, "extra_args", None) or {}
             state.memory_scope = int(extra.get(SCOPE_KEY, 0) or 0)

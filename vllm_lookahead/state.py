@@ -209,6 +209,9 @@ class RequestState:
     #: A sampled request (temperature > 0): its drafts cost vLLM's
     #: sampled verification (``CostModel.verify``).
     sampled: bool = False
+    #: Its bonus rows may be sampled lazily, only after a wholly accepted
+    #: draft (``lazy_bonus.request_applies``): a rejected draft saves one.
+    lazy_bonus: bool = False
     #: Its document in the engine's shared memory (None: not in it) and
     #: whether it drafts from the memory (not a seeded request's).
     memory_doc: int | None = None

@@ -62,6 +62,7 @@ from vllm_lookahead.planner import (
     BestCase,
     RequestView,
     Shape,
+    bonus_saving,
     sibling_rows,
     sibling_weights,
     verified_rows,
@@ -201,13 +202,17 @@ class StepDrafter:
             return [], None
         fixed = self.planner is None  # adaptive off: the full tree every step
         views = []
-        verify, measured = {}, {}
+        verify, measured, bonus = {}, {}, 0.0
         if not fixed:
             batch = len(live) + max(others, 0)
             verify = {k: self.planner.verify_seen(batch, k) for k in (True, False)}
             # the steps are booked less the verification as measured (the
             # plane learns what the steps undo of it: verify_seen)
             measured = {k: self.planner.verify(batch, k) for k in (True, False)}
+            # vLLM's rows cut to the bonus rows used (patch 15) only where
+            # every request of the step allows it (lazy_bonus.applies)
+            if all(r.state.lazy_bonus for r in live):
+                bonus = self.planner.bonus(batch)
         for j, r in enumerate(live):
             r.state.lookup = lookup(r.state, token_ids[r.i], r.n_tok, r.room,
                                     self.cfg.prompt_pool, self.memory)
@@ -216,6 +221,7 @@ class StepDrafter:
                                            self.planner))
                 views[-1].verify = verify[r.state.sampled]
                 views[-1].lazy = self.planner.lazy_verify and r.state.sampled
+                views[-1].bonus = bonus
                 if weights is not None:
                     views[-1].weight = weights[j]
         planned = None
@@ -234,12 +240,14 @@ class StepDrafter:
             q = sum(sh.query for sh in shapes) / len(shapes)
             # (measured (first, next), draft length, rows the verifier is
             # expected to compute) of each drafting request
-            counted = [(measured[r.state.sampled], sh.draft, _rows(v, sh))
+            # (less the bonus rows it is expected to save)
+            counted = [(measured[r.state.sampled], sh.draft, _rows(v, sh), _saved(v, sh))
                        for r, v, sh in zip(live, views, shapes) if sh.draft > 0]
             planned = (len(live), q, any(sh.kind == "tree" for sh in shapes),
                        sum(sh.query > 1 for sh in shapes),
-                       sum(verify_seconds(pair, d, rows) for pair, d, rows in counted),
-                       (min(f for (f, _), _, _ in counted), min(n for (_, n), _, _ in counted))
+                       sum(verify_seconds(pair, d, rows) - saved
+                           for pair, d, rows, saved in counted),
+                       (min(c[0][0] for c in counted), min(c[0][1] for c in counted))
                        if counted else None)
         trees = []
         for r, shape in zip(live, shapes):
@@ -352,6 +360,15 @@ def _rows(view, shape) -> float | None:
     if not view.lazy:
         return None
     return verified_rows(shape.draft, view.draft_p(tree=shape.kind == "tree"))
+
+
+def _saved(view, shape) -> float:
+    """The seconds of its bonus row a request planned ``shape`` is expected
+    to save (:func:`~vllm_lookahead.planner.bonus_saving`; 0 where its
+    bonus row is not sampled lazily)."""
+    if not view.lazy or not view.bonus:
+        return 0.0
+    return bonus_saving(view.bonus, shape.draft, view.draft_p(tree=shape.kind == "tree"))
 
 
 #: A catch-up step drafts the unchecked lookup's tokens while the next one

@@ -45,8 +45,9 @@ CONTEXT = 256
 #: moves what the measured steps cost bumps it, so a curve cached before it
 #: is measured again (2: the tiled read of vLLM's AMX cache, half the
 #: bfloat16 tree step on a CPU with AMX; 3: the verification timed with
-#: drafts that are accepted, so that a lazy verifier computes every row).
-STEP_REVISION = 3
+#: drafts that are accepted, so that a lazy verifier computes every row;
+#: 4: and a rejected one, for the bonus row a lazy verifier skips).
+STEP_REVISION = 4
 #: ``cost_model="off"``: relative cost of each extra query token.
 ASSUMED_PER_TOKEN = 0.1
 #: A timed run during which other processes kept more cores than this busy
@@ -95,9 +96,11 @@ def build_cost_model(setting: str, runner, worker, agree=None) -> CostModel:
         path = cache.save(key, curve)
     first, nxt = curve.verify_at(1, sampled=True)
     logger.info("Lookahead: step cost measured (%s), 1-token step %.1f ms, a sampled "
-                "draft's verification %.2f ms + %.2f ms per next token%s",
+                "draft's verification %.2f ms + %.2f ms per next token (%.2f ms of it "
+                "saved where the draft is rejected)%s",
                 ", ".join(f"batch {b}: {len(p)} sizes" for b, p in curve.points.items()),
                 curve.predict(1, 1) * 1e3, first * 1e3, nxt * 1e3,
+                curve.bonus_at(1, sampled=True) * 1e3,
                 f", cached in {path}" if path else "")
     return CostModel(curve, source="measured" if not loaded else "measured-under-load")
 
@@ -168,9 +171,14 @@ def measure_verify(runner, batches) -> dict:
     of ``b`` sampled (top-p) or greedy requests: the plain sampler (a step
     without drafts; vLLM's rejection sampler over no draft where async
     scheduling keeps it), and the rejection sampler with one request
-    drafting one token and :data:`VERIFY_LONG` tokens. Returns
-    :attr:`CostCurve.verify`: per kind and ``b``, ``(first, next)``
-    seconds, from the median of :data:`VERIFY_REPEATS` runs each.
+    drafting one token and :data:`VERIFY_LONG` tokens, all accepted, and
+    with every request drafting one token, all accepted and all rejected (a
+    verifier that samples bonus rows only where a draft was wholly
+    accepted, patch 15, skips the rejected ones'). Returns
+    :attr:`CostCurve.verify`: per kind and ``b``, ``(first, next, bonus)``
+    seconds, from the median of :data:`VERIFY_REPEATS` runs each
+    (``bonus``: a batch of ``b`` one-token drafts all accepted over all
+    rejected, per request).
 
     The logits are synthetic and peaked (a handful of tokens hold nearly all
     the mass, as a language model's next token mostly does), so top-p keeps
@@ -224,9 +232,9 @@ def _measure_verify(runner, batches) -> dict:
             output_token_ids=[[] for _ in range(b)], spec_token_ids=[[] for _ in range(b)],
             allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
 
-    def spec(drafts: list[int]):
+    def spec(drafts: list[int], token: int = 1):
         b, n = len(drafts), sum(drafts)
-        md = SpecDecodeMetadata.make_dummy([[1] * k for k in drafts], device)
+        md = SpecDecodeMetadata.make_dummy([[token] * k for k in drafts], device)
         # vLLM's row order: each request's draft rows, then its bonus row.
         target, bonus, row = [], [], 0
         for k in drafts:
@@ -264,8 +272,17 @@ def _measure_verify(runner, batches) -> dict:
                 one, long = spec([1] + [0] * (b - 1)), spec([VERIFY_LONG] + [0] * (b - 1))
                 first = timed(lambda y: verifier(one, None, y, meta), b + 1)
                 last = timed(lambda y: verifier(long, None, y, meta), b + VERIFY_LONG)
+                # every request drafting one token, accepted, and one the
+                # peaked rows give no mass to, rejected: the bonus rows a
+                # lazy verifier skips, per request (the sampler's threads
+                # split a batch's rows: one row more may cost nothing, or
+                # a whole row's time)
+                hit, miss = spec([1] * b), spec([1] * b, token=vocab - 1)
+                accepted = timed(lambda y: verifier(hit, None, y, meta), 2 * b)
+                rejected = timed(lambda y: verifier(miss, None, y, meta), 2 * b)
                 table[b] = (max(first - plain, 0.0),
-                            max(last - first, 0.0) / (VERIFY_LONG - 1))
+                            max(last - first, 0.0) / (VERIFY_LONG - 1),
+                            max(accepted - rejected, 0.0) / b)
             out[kind] = table
     return out
 
