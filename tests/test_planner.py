@@ -1029,6 +1029,29 @@ def test_a_draft_rejected_anywhere_saves_its_lazy_bonus_row():
     assert plan[0].extra_s < 0
 
 
+def test_a_tree_chain_is_priced_as_the_draft_it_hands_the_verifier():
+    """A tree's steady state drafts its confirmed chain next step: a lazy
+    sampled request's chain is priced by the rows expected at the checked
+    chain's acceptance, less the bonus row it is expected to save."""
+    from vllm_lookahead.planner import bonus_saving, verified_rows
+
+    planner = Planner(CostModel(CostCurve.flat(0.03, 0.002)))
+    acc = acceptance(**{**HIGH, "p_checked": 0.5})
+    verify = (0.004, 0.002)
+    plain = view(acc, unchecked=0, verify=verify)
+    lazy = view(acc, unchecked=0, verify=verify, lazy=True, bonus=0.003)
+    trees = [(a, b) for a, b in zip(planner.shapes(plain, 1), planner.shapes(lazy, 1))
+             if a.kind == "tree" and a.draft > 1]
+    assert trees
+    p = acc.checked.p
+    for every, cut in trees:
+        k = every.draft
+        assert every.extra_s == pytest.approx(0.004 + 0.002 * (k - 1))
+        assert cut.extra_s == pytest.approx(0.004 + 0.002 * (verified_rows(k, p) - 1)
+                                            - bonus_saving(0.003, k, p))
+        assert cut.extra_s < every.extra_s
+
+
 def test_the_quiet_bound_counts_the_most_a_bonus_row_saves():
     """any_pays bounds a draft's cost from below: with lazy bonus rows the
     verification less a whole bonus row, so a sampled batch whose best

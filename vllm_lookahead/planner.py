@@ -429,9 +429,8 @@ class Planner:
         # the next: one step of the run without its gain.
         catch_up = (1.0 - 1.0 / max(self.horizon, 1.0)) if self.fused and v.chain <= 0 else None
         table, roots = _tree_table(n, v.window_size, v.guess_set_size)
-        cap, room, verify = n - 1, v.room, v.verify
-        lazy_p = v.draft_p(tree=True) if v.lazy else None
-        bonus = v.bonus if v.lazy else 0.0
+        cap, room = n - 1, v.room
+        p_chain = v.draft_p(tree=True)  # the checked chain's, as verified
         for (w, g, nodes), m in zip(table, acc.tree_gains(roots)):
             if m > cap:
                 m = cap
@@ -444,10 +443,7 @@ class Planner:
             if catch_up is not None:
                 gain *= catch_up
             out.append(_shape(("tree", d, w, g, nodes, 1 + gain,
-                               extra_1 + verify_seconds(
-                                   verify, d, None if lazy_p is None
-                                   else verified_rows(d, lazy_p))
-                               - (bonus_saving(bonus, d, lazy_p) if bonus else 0.0))))
+                               extra_1 + v.verify_s(d, p_chain))))
         return out
 
     #: What a seeded request's draft costs beyond the forward's rows, in
