@@ -659,8 +659,11 @@ def test_a_step_prices_the_bonus_rows_only_where_every_request_allows_them():
                           tokens[i], len(text), len(text), None, False, 0, prior)
             s.sampled, s.lazy_bonus = True, ok
             live.append(Live(i, s, len(text), 3, []))
-        drafts, _ = step.run(live, 2, 2, 3, True, tokens, no_trees)
-        return drafts
+        return step.run(live, 2, 2, 3, True, tokens, no_trees)
 
-    assert all(run([True, True]))
-    assert run([True, False]) == [[], []]
+    drafts, planned = run([True, True])
+    assert all(drafts)
+    # the step is booked less the verification it was priced with: the
+    # rows expected less the bonus rows expected saved, below 0 here
+    assert planned[4] < 0
+    assert run([True, False])[0] == [[], []]

@@ -134,17 +134,21 @@ class RequestView:
             return self.acc.checked.p
         return draft_p(self.acc, "suffix4" if self.chain > 0 else self.lookup_kind)
 
-    def verify_s(self, draft: int, p: float = 1.0) -> float:
+    def verify_s(self, draft: int, p: float = 1.0,
+                 verify: tuple[float, float] | None = None) -> float:
         """Seconds vLLM's verifier adds for a draft of ``draft`` tokens,
         each accepted with probability ``p`` (given the ones before):
         where the request's draft rows are verified lazily (``lazy``), a
         row past the first rejection costs nothing
         (:func:`verified_rows`), and where its bonus row is sampled
         lazily (``bonus``) a draft rejected anywhere saves that row
-        (:func:`bonus_saving`): the result may be below 0."""
+        (:func:`bonus_saving`): the result may be below 0. ``verify``:
+        ``(first, next)`` seconds to price it with in place of the view's
+        (the step's booking uses the verification as measured)."""
+        pair = self.verify if verify is None else verify
         if not self.lazy:
-            return verify_seconds(self.verify, draft)
-        return (verify_seconds(self.verify, draft, verified_rows(draft, p))
+            return verify_seconds(pair, draft)
+        return (verify_seconds(pair, draft, verified_rows(draft, p))
                 - bonus_saving(self.bonus, draft, p))
 
 

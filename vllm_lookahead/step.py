@@ -62,11 +62,8 @@ from vllm_lookahead.planner import (
     BestCase,
     RequestView,
     Shape,
-    bonus_saving,
     sibling_rows,
     sibling_weights,
-    verified_rows,
-    verify_seconds,
 )
 from vllm_lookahead.trees import TreeAsk, plan_trees
 
@@ -238,16 +235,19 @@ class StepDrafter:
                 self.planner.horizon = max(runs / st.catch_up_requests, 1.0)
             shapes = self.planner.plan(views, self.cfg.max_tree_tokens, others, explore=True)
             q = sum(sh.query for sh in shapes) / len(shapes)
-            # (measured (first, next), draft length, rows the verifier is
-            # expected to compute) of each drafting request
-            # (less the bonus rows it is expected to save)
-            counted = [(measured[r.state.sampled], sh.draft, _rows(v, sh), _saved(v, sh))
-                       for r, v, sh in zip(live, views, shapes) if sh.draft > 0]
+            # (measured (first, next), the verification the plan priced
+            # with them: the rows expected, less the bonus row expected
+            # saved) of each drafting request
+            counted = []
+            for r, v, sh in zip(live, views, shapes):
+                if sh.draft > 0:
+                    pair = measured[r.state.sampled]
+                    p = v.draft_p(tree=sh.kind == "tree")
+                    counted.append((pair, v.verify_s(sh.draft, p, pair)))
             planned = (len(live), q, any(sh.kind == "tree" for sh in shapes),
                        sum(sh.query > 1 for sh in shapes),
-                       sum(verify_seconds(pair, d, rows) - saved
-                           for pair, d, rows, saved in counted),
-                       (min(c[0][0] for c in counted), min(c[0][1] for c in counted))
+                       sum(seconds for _, seconds in counted),
+                       (min(f for (f, _), _ in counted), min(n for (_, n), _ in counted))
                        if counted else None)
         trees = []
         for r, shape in zip(live, shapes):
@@ -352,23 +352,6 @@ class StepDrafter:
             drafts[r.i] = read_tree(r.state, tree, pred, self.memory)
             r.state.draft_checked = True
         return not use_window
-
-
-def _rows(view, shape) -> float | None:
-    """The draft rows a lazy verifier is expected to compute for a request
-    planned ``shape`` (None: every row, :func:`~vllm_lookahead.planner.verified_rows`)."""
-    if not view.lazy:
-        return None
-    return verified_rows(shape.draft, view.draft_p(tree=shape.kind == "tree"))
-
-
-def _saved(view, shape) -> float:
-    """The seconds of its bonus row a request planned ``shape`` is expected
-    to save (:func:`~vllm_lookahead.planner.bonus_saving`; 0 where its
-    bonus row is not sampled lazily)."""
-    if not view.lazy or not view.bonus:
-        return 0.0
-    return bonus_saving(view.bonus, shape.draft, view.draft_p(tree=shape.kind == "tree"))
 
 
 #: A catch-up step drafts the unchecked lookup's tokens while the next one
