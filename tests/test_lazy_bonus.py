@@ -233,6 +233,8 @@ def test_measure_verify_times_accepted_and_rejected_drafts(verifier):
         assert set(kind) == {1, 2}
         for row in kind.values():
             assert len(row) == 3 and all(x >= 0 for x in row)
+    # a greedy batch's bonus rows are never skipped: not timed, 0
+    assert all(row[2] == 0.0 for row in table["greedy"].values())
     every = [(tokens, out) for tokens, nums, out in seen if len(nums) == 2 and nums == [1, 1]]
     hits = [out for tokens, out in every if tokens == [1, 1]]
     misses = [out for tokens, out in every if tokens == [511, 511]]

@@ -171,14 +171,15 @@ def measure_verify(runner, batches) -> dict:
     of ``b`` sampled (top-p) or greedy requests: the plain sampler (a step
     without drafts; vLLM's rejection sampler over no draft where async
     scheduling keeps it), and the rejection sampler with one request
-    drafting one token and :data:`VERIFY_LONG` tokens, all accepted, and
-    with every request drafting one token, all accepted and all rejected (a
+    drafting one token and :data:`VERIFY_LONG` tokens, all accepted, and,
+    sampled, with every request drafting one token, all accepted and all rejected (a
     verifier that samples bonus rows only where a draft was wholly
     accepted, patch 15, skips the rejected ones'). Returns
     :attr:`CostCurve.verify`: per kind and ``b``, ``(first, next, bonus)``
     seconds, from the median of :data:`VERIFY_REPEATS` runs each
-    (``bonus``: a batch of ``b`` one-token drafts all accepted over all
-    rejected, per request).
+    (``bonus``: a batch of ``b`` sampled one-token drafts all accepted over
+    all rejected, per request; 0 for greedy requests, whose bonus rows
+    patch 15 never skips).
 
     The logits are synthetic and peaked (a handful of tokens hold nearly all
     the mass, as a language model's next token mostly does), so top-p keeps
@@ -272,17 +273,19 @@ def _measure_verify(runner, batches) -> dict:
                 one, long = spec([1] + [0] * (b - 1)), spec([VERIFY_LONG] + [0] * (b - 1))
                 first = timed(lambda y: verifier(one, None, y, meta), b + 1)
                 last = timed(lambda y: verifier(long, None, y, meta), b + VERIFY_LONG)
-                # every request drafting one token, accepted, and one the
-                # peaked rows give no mass to, rejected: the bonus rows a
-                # lazy verifier skips, per request (the sampler's threads
-                # split a batch's rows: one row more may cost nothing, or
-                # a whole row's time)
-                hit, miss = spec([1] * b), spec([1] * b, token=vocab - 1)
-                accepted = timed(lambda y: verifier(hit, None, y, meta), 2 * b)
-                rejected = timed(lambda y: verifier(miss, None, y, meta), 2 * b)
+                bonus = 0.0  # greedy batches' bonus rows are never skipped
+                if sampled:
+                    # every request drafting one token, accepted, and one
+                    # the peaked rows give no mass to, rejected: the bonus
+                    # rows a lazy verifier skips, per request (the sampler's
+                    # threads split a batch's rows: one row more may cost
+                    # nothing, or a whole row's time)
+                    hit, miss = spec([1] * b), spec([1] * b, token=vocab - 1)
+                    accepted = timed(lambda y: verifier(hit, None, y, meta), 2 * b)
+                    rejected = timed(lambda y: verifier(miss, None, y, meta), 2 * b)
+                    bonus = max(accepted - rejected, 0.0) / b
                 table[b] = (max(first - plain, 0.0),
-                            max(last - first, 0.0) / (VERIFY_LONG - 1),
-                            max(accepted - rejected, 0.0) / b)
+                            max(last - first, 0.0) / (VERIFY_LONG - 1), bonus)
             out[kind] = table
     return out
 
