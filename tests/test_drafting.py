@@ -667,3 +667,18 @@ def test_a_step_prices_the_bonus_rows_only_where_every_request_allows_them():
     # rows expected less the bonus rows expected saved, below 0 here
     assert planned[4] < 0
     assert run([True, False])[0] == [[], []]
+
+
+def test_match_kind_buckets_long_own_matches():
+    """Own-text matches past 4 tokens are learnt in three length buckets;
+    the memory's key lengths are kinds as they are; every kind is one the
+    acceptance model keeps a rate for."""
+    from vllm_lookahead.acceptance import LOOKUP_KINDS, AcceptancePrior, match_kind
+
+    got = {m: match_kind("suffix", m) for m in (2, 3, 4, 5, 8, 9, 16, 17, 24, 30)}
+    assert got == {2: "suffix2", 3: "suffix3", 4: "suffix4", 5: "suffix8", 8: "suffix8",
+                   9: "suffix16", 16: "suffix16", 17: "suffix24", 24: "suffix24",
+                   30: "suffix24"}
+    assert [match_kind("memory", m) for m in (3, 6, 12)] == ["memory3", "memory6", "memory12"]
+    prior = AcceptancePrior(max_cands=3)
+    assert set(got.values()) <= set(LOOKUP_KINDS) == set(prior.p_unchecked)

@@ -234,25 +234,31 @@ def _long_answered(seed, n_answer=40):
     return rng, mem, prompt, answer
 
 
-@pytest.mark.parametrize("look, room, expect", [(16, 16, 16), (16, 24, 16), (16, 9, 9),
-                                                (0, 16, 4), (3, 16, 4), (24, 24, 24)])
-def test_lookups_draft_up_to_lookup_len_from_memory_and_own_text(look, room, expect):
-    """A lookup drafts up to max(N, lookup_len) tokens (and the room vLLM
-    leaves): the memory's continuation of a repeated question, and the
-    request's own text where it repeats itself."""
+@pytest.mark.parametrize("look, room, k", [(16, 16, 16), (16, 24, 16), (16, 9, 9),
+                                           (0, 16, 4), (3, 16, 4), (24, 24, 24)])
+def test_lookups_draft_up_to_lookup_len_from_memory_and_own_text(look, room, k):
+    """A lookup drafts up to k = max(N, lookup_len) tokens (and the room
+    vLLM leaves): the memory's continuation of a repeated question, and the
+    request's own text where it repeats itself. Past N a match's
+    continuation runs no further than the match is long (N at least), and
+    the request's own text is matched up to LONG_MATCH tokens, learnt by
+    length (``suffix8``, ``suffix16``, ``suffix24``)."""
     _, mem, prompt, answer = _long_answered(9)
     cfg = LookaheadConfig(lookup_len=look)
     state = new_state(request_settings(None, cfg), _toks(1, 2, 3), 3, 3, None, False, 0,
                       AcceptancePrior(max_cands=3))
     state.memory_reads, state.memory_doc, state.memory_scope = True, None, 0
     draft = lookup(state, prompt, len(prompt), room, True, mem)
+    expect = min(k, 12) if k > 4 else k  # a 12-token key
     assert draft == answer[:expect].tolist() and state.lookup_kind == "memory12"
     assert state.lookup_sources == [SOURCE_MEMORY] * expect
-    # own text: a 40-token passage seen before, its first 4 tokens again
-    own = np.concatenate([answer, _toks(7, 7, 7), answer[:4]])
+    # own text: a 40-token passage seen before, its first m tokens again
     state.memory_reads = False
-    assert lookup(state, own, len(own), room, True, mem) == answer[4: 4 + expect].tolist()
-    assert state.lookup_kind == "suffix4"
+    for m, kind in ((4, "suffix4"), (7, "suffix8"), (16, "suffix16"), (20, "suffix24")):
+        own = np.concatenate([answer, _toks(7, 7, 7), answer[:m]])
+        expect = min(k, m) if k > 4 else k
+        assert lookup(state, own, len(own), room, True, mem) == answer[m: m + expect].tolist()
+        assert state.lookup_kind == (kind if k > 4 else "suffix4")
     # a request may lower lookup_len (never raise it)
     low = request_settings({"lookahead": {"lookup_len": 0}}, cfg)
     assert low.lookup_len == 0

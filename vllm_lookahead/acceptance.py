@@ -44,10 +44,26 @@ from dataclasses import dataclass, field
 #: Kinds of unchecked lookup, learnt apart per request: the continuation
 #: of a 4-, 3- or 2-token suffix seen earlier in the text, of a 12-, 6- or
 #: 3-token suffix in the engine's shared memory (other requests' text,
-#: :mod:`.memory`), or the pool's guess for the newest token alone.
-LOOKUP_KINDS = ("suffix4", "suffix3", "suffix2", "memory12", "memory6", "memory3", "pool")
+#: :mod:`.memory`), or the pool's guess for the newest token alone; where
+#: lookups run past N (``lookup_len``), also of a suffix of 17-24, 9-16 or
+#: 5-8 tokens seen earlier in the text (:func:`match_kind`).
+LOOKUP_KINDS = ("suffix24", "suffix16", "suffix8", "suffix4", "suffix3", "suffix2",
+                "memory12", "memory6", "memory3", "pool")
 #: The kinds that match a key (all but the pool's guess).
 MATCH_KINDS = LOOKUP_KINDS[:-1]
+#: Upper ends of the long own-text match kinds (``suffix8``: 5-8 tokens).
+LONG_SUFFIX_KINDS = (8, 16, 24)
+
+
+def match_kind(source: str, m: int) -> str:
+    """The kind of a match of ``m`` tokens from ``source`` (``"suffix"``:
+    the request's own text, ``"memory"``: the shared memory, whose key
+    lengths are kinds as they are): ``suffix2``..``suffix4``, then the
+    long buckets ``suffix8`` (5-8), ``suffix16`` (9-16), ``suffix24``
+    (17 and more)."""
+    if source == "suffix" and m > 4:
+        m = next((b for b in LONG_SUFFIX_KINDS if m <= b), LONG_SUFFIX_KINDS[-1])
+    return f"{source}{m}"
 #: How the key's places agreed on a match's first token
 #: (``state.agreement``, appended to its kind: ``"suffix3+"``): one place,
 #: every place the same, split; and the factor of each class's acceptance
@@ -141,7 +157,8 @@ class AcceptancePrior:
         if not isinstance(self.p_unchecked, dict):
             p = 0.5 if self.p_unchecked is None else float(self.p_unchecked)
             # a longer matched suffix predicts its continuation better
-            self.p_unchecked = {"suffix4": p, "suffix3": p * 0.9, "suffix2": p * 0.8,
+            self.p_unchecked = {"suffix24": p, "suffix16": p, "suffix8": p,
+                                "suffix4": p, "suffix3": p * 0.9, "suffix2": p * 0.8,
                                 "memory12": p, "memory6": p * 0.9, "memory3": p * 0.7,
                                 "pool": p * 0.6}
         # per agreement class, its matches' first tokens accepted and not

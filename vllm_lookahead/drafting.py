@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_lookahead.acceptance import AcceptancePrior, RequestAcceptance
+from vllm_lookahead.acceptance import AcceptancePrior, RequestAcceptance, match_kind
 from vllm_lookahead.attn_mask import TreeLayout
 from vllm_lookahead.state import (
     SOURCE_MEMORY,
@@ -49,6 +49,10 @@ class Live:
 #: assumes little until its own text shows more (the engine's running mean,
 #: which other requests move, may not decide its drafts).
 SEEDED_PRIOR_P = 0.25
+
+#: Longest match of the request's own text a lookup looks for where
+#: lookups run past N (``lookup_len``; suffix decoding's tree depth is 24).
+LONG_MATCH = 24
 
 
 def new_state(settings, tokens: np.ndarray, n_tok: int, num_prompt_tokens: int,
@@ -128,24 +132,37 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
     ``prompt_pool`` on; its newest 16 places vote, :func:`~vllm_lookahead.
     state.vote_draft`), unless the engine's shared ``memory``
     (:class:`~vllm_lookahead.memory.SharedMemory`) matches a longer one in
-    other requests' text (12, 6 or 3 tokens: its own text wins ties); else
+    other requests' text (12, 6 or 3 tokens: its own text wins ties). Where
+    lookups run past N (``lookup_len`` and ``room`` above N) the text's
+    suffix may be up to :data:`LONG_MATCH` tokens long, and a match's
+    continuation is cut to ``max(N, the match's length)``; else
     the pool's most often seen (then newest) continuation of the newest
     token (without one: the newest another request's window produced).
     ``tokens``: int [>= n_tok] the request's tokens. Sets
     ``state.lookup_sources`` and ``state.lookup_kind`` (the source, the
     key's length and the places' agreement on the first token,
     :func:`~vllm_lookahead.state.agreement`: ``"suffix3+"``,
-    ``"memory6-"``, ``"suffix4"``, ..., or ``"pool"``)."""
+    ``"memory6-"``, ``"suffix16"``, ..., or ``"pool"``;
+    :func:`~vllm_lookahead.acceptance.match_kind`)."""
     n = state.settings.ngram_size
     k = min(room if room > 0 else n, max(n, state.settings.lookup_len))
+    # Past N, a match's continuation runs as far as the match is long
+    # (suffix decoding's rule, its spec factor 1): a long match predicts a
+    # long copy, a short one a phrase.
+    long = k > n
     draft, source, matched = [], SOURCE_PROMPT, 0
     agree = ""
     if prompt_pool:
-        draft, matched, agree = suffix_vote(tokens, n_tok, k, min_prob=MIN_PROB)
-    state.lookup_kind = f"suffix{matched}{agree}" if draft else "pool"
+        draft, matched, agree = suffix_vote(tokens, n_tok, k, min_prob=MIN_PROB,
+                                            max_len=LONG_MATCH if long else 4)
+        if long:
+            draft = draft[:max(n, matched)]
+    state.lookup_kind = f"{match_kind('suffix', matched)}{agree}" if draft else "pool"
     if memory is not None and state.memory_reads:
         mem, m, agree = memory.lookup_vote(state.memory_scope, state.memory_doc, tokens, n_tok, k)
         if mem and m > matched:
+            if long:
+                mem = mem[:max(n, m)]
             draft, source, state.lookup_kind = mem, SOURCE_MEMORY, f"memory{m}{agree}"
     if not draft:
         cands = state.pool.get(int(tokens[n_tok - 1]))[: state.settings.guess_set_size]
