@@ -116,3 +116,32 @@ def test_memory_off_by_setting(smollm2_path, ids, vanilla):
             assert generate_ids(llm, token_prompts(ids[:2]), greedy) == vanilla[:2]
         st = proposer(llm).get_stats()
         assert st["shared_memory"] is None and st["accepted_by_source"]["memory"] == 0
+
+
+def test_lookups_past_n_exact_and_drafted_long(smollm2_path, ids, vanilla):
+    """``lookup_len`` 24 (lookups past N, as far as their match is long):
+    output identical to vanilla, batched and asked again one at a time,
+    and drafts of more than N tokens were verified, some of them from
+    matches of the request's own text past 4 tokens."""
+    from vllm import SamplingParams
+
+    spec = {"method": "lookahead", "lookup_len": 24, "cost_model": "off"}
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    with engine(smollm2_path, spec, max_num_seqs=16) as llm:
+        assert llm.llm_engine.vllm_config.speculative_config.num_speculative_tokens == 24
+        first = generate_ids(llm, token_prompts(ids), greedy, batch=True)
+        again = generate_ids(llm, token_prompts(ids), greedy, batch=False)
+        for run in (first, again):
+            for i, (got, want) in enumerate(zip(run, vanilla)):
+                assert got == want, (i, first_mismatch(got, want))
+        flush(llm)
+        st = proposer(llm).get_stats()
+        shapes = st["shape_steps"]
+        past_n = {s: c for s, c in shapes.items()
+                  if s.startswith("draft:") and int(s.split(":")[1]) > 4}
+        assert past_n, shapes
+        assert st["accepted_by_source"]["memory"] > 0
+        # the request's own text matched past 4 tokens, learnt by length
+        long = [k for k in st["drafts_by_kind"] if k.rstrip("+-") in ("suffix8", "suffix16",
+                                                                       "suffix24")]
+        assert long, st["drafts_by_kind"]

@@ -87,10 +87,13 @@ class LookaheadConfig:
             tokens). A tree's checked draft stays within N. The planner
             picks each step's length up to it from the measured
             acceptance and cost; vLLM's ``num_speculative_tokens``
-            defaults to ``max(ngram_size, lookup_len)``. 0 = N (the
-            lookups draft no further than the trees), the default: on the
-            CPUs measured, drafts past N gained nothing measurable (README,
-            benchmark results). Range 0..64.
+            defaults to ``max(ngram_size, lookup_len)``. Past N a lookup
+            runs no further than its match is long (suffix decoding's
+            rule; ``drafting.lookup``). 0 = N (the lookups draft no
+            further than the trees), the default: on the CPUs measured,
+            drafts past N gained on templated work at batch 1 and moved
+            either way at n=4 batched (README, benchmark results). Range
+            0..64.
         parent_latency: plan the n samples of one request
             (``SamplingParams.n``, best-of-n, rollouts) for the request's
             latency: vLLM answers it when its last sample ends, so a
