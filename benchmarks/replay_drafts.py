@@ -28,8 +28,11 @@ Methods:
   and 3 tokens in other requests' text, newest place first), its own
   n-grams added as ``StepDrafter`` adds them; ``K`` = N = 4;
 * ``lookahead-own``: the same without the shared memory;
-* ``lookahead:16``: with ``lookup_len`` 16 (unchecked drafts up to 16
-  tokens);
+* ``lookahead:16``, ``lookahead:24``: with ``lookup_len`` 16 or 24
+  (unchecked drafts up to 16 or 24 tokens, as far as their match is
+  long, the request's own text matched up to 24 tokens). Replayed
+  positions overlap: every position of a long copied span drafts it
+  again, so long drafts score higher here than a decoding run gains;
 * ``suffix:K``: Arctic Inference's ``SuffixDecodingCache`` as vLLM's
   ``suffix`` method drives it (``start_request`` with the prompt,
   ``add_active_response`` every token, ``speculate`` on the last 24 tokens,
@@ -234,6 +237,7 @@ def drafters() -> dict[str, Callable[[], object]]:
         "lookahead": lambda: LookaheadDrafter(True),
         "lookahead-own": lambda: LookaheadDrafter(False),
         "lookahead:16": lambda: LookaheadDrafter(True, lookup_len=16),
+        "lookahead:24": lambda: LookaheadDrafter(True, lookup_len=24),
         "ngram:4": NgramDrafter,
     }
     try:
