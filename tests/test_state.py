@@ -521,3 +521,42 @@ def test_suffix_vote_says_how_the_places_agreed():
     for t in (toks, same, once):
         assert suffix_match(t, len(t), 2, min_prob=0.1) == suffix_vote(t, len(t), 2,
                                                                     min_prob=0.1)[:2]
+
+
+def _suffix_vote_by_length(tokens, n, k, min_len=2, max_len=4, min_prob=None):
+    """The reference: a search for each match length, longest first."""
+    from vllm_lookahead.state import _continue, MAX_PLACES
+
+    t = np.asarray(tokens[:n])
+    if k <= 0 or n - 1 < min_len:
+        return [], 0, ""
+    ends = np.array([e for e in range(min_len - 1, n - 1)
+                     if all(t[e - j] == t[n - 1 - j] for j in range(min_len))], dtype=np.int64)
+    if not ends.size:
+        return [], 0, ""
+    for m in range(min(max_len, n - 1), min_len - 1, -1):
+        longer = np.array([e for e in ends.tolist() if e >= m - 1
+                           and all(t[e - j] == t[n - 1 - j] for j in range(m))], dtype=np.int64)
+        if longer.size:
+            cont, agree = _continue(t, longer, k, min_prob, MAX_PLACES)
+            return cont, m, agree
+
+
+@pytest.mark.parametrize("max_len", [3, 4, 24])
+def test_suffix_vote_finds_the_longest_match_and_its_places(max_len):
+    """The match grown one token at a time gives what a search of every
+    length, longest first, gives: the same length, places and draft (small
+    vocabularies, so that long repeats occur)."""
+    from vllm_lookahead.state import MIN_PROB, suffix_vote
+
+    rng = np.random.default_rng(max_len)
+    for trial in range(400):
+        vocab = int(rng.integers(2, 6))
+        base = rng.integers(0, vocab, size=int(rng.integers(3, 40)))
+        text = np.concatenate([base, base[: int(rng.integers(0, len(base)))]]) \
+            if trial % 2 else base
+        n = len(text)
+        for min_prob in (None, MIN_PROB):
+            got = suffix_vote(text, n, 8, 2, max_len, min_prob)
+            want = _suffix_vote_by_length(text, n, 8, 2, max_len, min_prob)
+            assert got == want, (text.tolist(), max_len, min_prob)

@@ -281,25 +281,24 @@ def suffix_vote(tokens: np.ndarray, n: int, k: int, min_len: int = 2,
         return [], 0, ""
     t = np.asarray(tokens[:n])
     # Ends e <= n - 2 of the earlier places where the last min_len tokens
-    # occur (one pass over the text; the suffix itself ends at n - 1),
-    # then, longest first, those where the match runs back m tokens.
+    # occur (one pass over the text; the suffix itself ends at n - 1).
     hit = t[min_len - 1: n - 1] == t[n - 1]
     for j in range(1, min_len):
         hit &= t[min_len - 1 - j: n - 1 - j] == t[n - 1 - j]
     ends = np.flatnonzero(hit) + (min_len - 1)
     if not ends.size:
         return [], 0, ""
-    for m in range(min(max_len, n - 1), min_len, -1):
-        longer = ends[ends >= m - 1]
-        for j in range(min_len, m):
-            if not longer.size:
-                break
-            longer = longer[t[longer - j] == t[n - 1 - j]]
-        if longer.size:
-            cont, agree = _continue(t, longer, k, min_prob, max_places)
-            return cont, m, agree
+    # Then one token further back at a time, while some place still
+    # matches (O(match length) numpy calls, not one search per length).
+    m, top = min_len, min(max_len, n - 1)
+    while m < top:
+        longer = ends[ends >= m]
+        longer = longer[t[longer - m] == t[n - 1 - m]]
+        if not longer.size:
+            break
+        ends, m = longer, m + 1
     cont, agree = _continue(t, ends, k, min_prob, max_places)
-    return cont, min_len, agree
+    return cont, m, agree
 
 
 def _continue(t: np.ndarray, ends: np.ndarray, k: int, min_prob: float | None,
