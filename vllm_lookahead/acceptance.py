@@ -41,29 +41,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+#: Upper ends of the long own-text match kinds (``suffix8``: 5-8 tokens).
+LONG_SUFFIX_KINDS = (8, 16, 24)
 #: Kinds of unchecked lookup, learnt apart per request: the continuation
 #: of a 4-, 3- or 2-token suffix seen earlier in the text, of a 12-, 6- or
 #: 3-token suffix in the engine's shared memory (other requests' text,
 #: :mod:`.memory`), or the pool's guess for the newest token alone; where
 #: lookups run past N (``lookup_len``), also of a suffix of 17-24, 9-16 or
 #: 5-8 tokens seen earlier in the text (:func:`match_kind`).
-LOOKUP_KINDS = ("suffix24", "suffix16", "suffix8", "suffix4", "suffix3", "suffix2",
-                "memory12", "memory6", "memory3", "pool")
+LOOKUP_KINDS = (*(f"suffix{b}" for b in reversed(LONG_SUFFIX_KINDS)), "suffix4", "suffix3",
+                "suffix2", "memory12", "memory6", "memory3", "pool")
 #: The kinds that match a key (all but the pool's guess).
 MATCH_KINDS = LOOKUP_KINDS[:-1]
-#: Upper ends of the long own-text match kinds (``suffix8``: 5-8 tokens).
-LONG_SUFFIX_KINDS = (8, 16, 24)
-
-
-def match_kind(source: str, m: int) -> str:
-    """The kind of a match of ``m`` tokens from ``source`` (``"suffix"``:
-    the request's own text, ``"memory"``: the shared memory, whose key
-    lengths are kinds as they are): ``suffix2``..``suffix4``, then the
-    long buckets ``suffix8`` (5-8), ``suffix16`` (9-16), ``suffix24``
-    (17 and more)."""
-    if source == "suffix" and m > 4:
-        m = next((b for b in LONG_SUFFIX_KINDS if m <= b), LONG_SUFFIX_KINDS[-1])
-    return f"{source}{m}"
 #: How the key's places agreed on a match's first token
 #: (``state.agreement``, appended to its kind: ``"suffix3+"``): one place,
 #: every place the same, split; and the factor of each class's acceptance
@@ -84,6 +73,17 @@ def split_kind(kind: str) -> tuple[str, str]:
     if kind and kind[-1] in "+-":
         return kind[:-1], kind[-1]
     return kind, ""
+
+
+def match_kind(source: str, m: int) -> str:
+    """The kind of a match of ``m`` tokens from ``source`` (``"suffix"``:
+    the request's own text, ``"memory"``: the shared memory, whose key
+    lengths are kinds as they are): ``suffix2``..``suffix4``, then the
+    long buckets ``suffix8`` (5-8), ``suffix16`` (9-16), ``suffix24``
+    (17 and more)."""
+    if source == "suffix" and m > 4:
+        m = next((b for b in LONG_SUFFIX_KINDS if m <= b), LONG_SUFFIX_KINDS[-1])
+    return f"{source}{m}"
 
 
 def geometric_gain(p: float, k: int) -> float:
@@ -156,7 +156,6 @@ class AcceptancePrior:
     def __post_init__(self) -> None:
         if not isinstance(self.p_unchecked, dict):
             p = 0.5 if self.p_unchecked is None else float(self.p_unchecked)
-            # a longer matched suffix predicts its continuation better
             # a longer matched suffix predicts its continuation better: past
             # 4 tokens (lookups past N) the text is being copied (replayed
             # sampled HumanEval and MT-Bench text, n=4: the first token of a

@@ -163,7 +163,8 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
         if mem and m > matched:
             if long:
                 mem = mem[:max(n, m)]
-            draft, source, state.lookup_kind = mem, SOURCE_MEMORY, f"memory{m}{agree}"
+            draft, source = mem, SOURCE_MEMORY
+            state.lookup_kind = f"{match_kind('memory', m)}{agree}"
     if not draft:
         cands = state.pool.get(int(tokens[n_tok - 1]))[: state.settings.guess_set_size]
         if not cands and memory is not None and state.memory_reads:
