@@ -20,6 +20,9 @@ from typing import Any
 #: Key of ``VllmConfig.additional_config`` that carries the validated
 #: lookahead settings to every worker process.
 ADDITIONAL_CONFIG_KEY = "lookahead"
+#: The ``SchedulerOutput`` attribute that carries the requests left waiting
+#: to the workers (``patches`` 16; the planner's ``batch_end``).
+WAITING_ATTR = "lookahead_waiting"
 
 
 class LookaheadConfigError(ValueError):
@@ -104,6 +107,16 @@ class LookaheadConfig:
             CPU measured it was 1.026x planning every sample for its own
             tokens (False) over 24 paired rows, n = 4 and 16 (README), for
             0.3-0.6 ms more proposer time a step.
+        batch_end: where nothing waits for the batch's slots (vLLM's
+            scheduler has no request waiting) and every request of the
+            batch decodes with lookahead towards an output cap, plan the
+            batch for its end, as if its requests were the samples of one
+            parent (:func:`~vllm_lookahead.planner.sibling_weights`): a
+            token gained by a request that would not end last only frees
+            its slot a step sooner. That is what a caller waiting for a
+            whole batch gets (``LLM.generate``, a rollout batch); a server's
+            clients each wait for their own request. False (the default):
+            each request (or parent) for its own end.
 
     The defaults (N, W, G) = (4, 3, 3) are the fastest measured on a 2-core
     CPU (bfloat16, SmolLM2-135M, HumanEval and MT-Bench): there every query
@@ -124,6 +137,7 @@ class LookaheadConfig:
     memory_tokens: int = 131072
     lookup_len: int = 0
     parent_latency: bool = True
+    batch_end: bool = False
 
     _RANGES = {
         "ngram_size": (2, 16),

@@ -141,6 +141,12 @@ every other method untouched:
     vocabulary sort under top-p, was thrown away). An unseeded bonus token
     is an independent draw, so the distribution is vLLM's; any other batch
     takes vLLM's path. Every speculative method benefits.
+16. ``Scheduler.schedule``: the ``SchedulerOutput`` it returns carries one
+    more attribute, ``lookahead_waiting`` (the requests left waiting,
+    ``Scheduler.get_request_counts``), which reaches the workers with it, so
+    the planner knows when nothing waits for the batch's slots
+    (``batch_end``). Only where the engine runs lookahead; nothing else
+    changes.
 """
 
 from __future__ import annotations
@@ -170,6 +176,7 @@ def apply() -> None:
     _plain_sampler_without_drafts()
     _cheap_cpu_verification()
     _patch_shared_memory()
+    _report_waiting()
     _APPLIED = True
 
 
@@ -391,6 +398,23 @@ def _patch_shared_memory() -> None:
 
     EngineCore.reset_prefix_cache = reset_prefix_cache
     setattr(WorkerBase, CLEAR_MEMORY_METHOD, _clear_memory)
+
+
+def _report_waiting() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_lookahead.config import ADDITIONAL_CONFIG_KEY, WAITING_ATTR
+
+    orig = Scheduler.schedule
+
+    @functools.wraps(orig)
+    def schedule(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        if ADDITIONAL_CONFIG_KEY in (self.vllm_config.additional_config or {}):
+            setattr(out, WAITING_ATTR, self.get_request_counts()[1])
+        return out
+
+    Scheduler.schedule = schedule
 
 
 #: The worker method patch 13 adds (``collective_rpc`` name).

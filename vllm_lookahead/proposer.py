@@ -31,6 +31,7 @@ from vllm_lookahead.config import (
     ADDITIONAL_CONFIG_KEY,
     LookaheadConfig,
     LookaheadConfigError,
+    WAITING_ATTR,
     RequestSettings,
     request_settings,
 )
@@ -89,6 +90,9 @@ class LookaheadProposer:
         self._timer = StepTimer(self._agree)
         #: Whether the step being run has no new or resumed request.
         self._clean = False
+        #: Requests waiting for a batch slot at this step (patch 16; None:
+        #: not reported).
+        self._waiting = None
         how = "planned per step" if self.cfg.adaptive else "fixed tree"
         if self.disable_batch_size:
             how += f", off from {self.disable_batch_size} decoding requests"
@@ -153,6 +157,8 @@ class LookaheadProposer:
         self._clean = not scheduler_output.scheduled_new_reqs and not resumed
         # vLLM's per-batch-size draft length (num_speculative_tokens_per_batch_size).
         self._spec_k = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
+        # requests waiting for a slot (patch 16; None: not reported)
+        self._waiting = getattr(scheduler_output, WAITING_ATTR, None)
 
     def model_forward(self, runner, forward, input_ids, positions, **kwargs):
         """The runner's model call of a step (fused mode): append the planned
@@ -261,8 +267,11 @@ class LookaheadProposer:
             live.append(Live(i, state, n_tok, room, chain))
         self._timer.book(self.planner, t0, clean, len(live))
 
+        # the batch as a whole: nothing waits and every row decodes with lookahead
+        closed = (self.cfg.batch_end and self._waiting == 0
+                  and len(live) == num_decoding == len(sampled_token_ids))
         drafts, planned = self.step.run(live, len(sampled_token_ids), num_decoding, spec_k,
-                                        joined, token_ids, self._run_trees)
+                                        joined, token_ids, self._run_trees, closed=closed)
         self.stats.live_requests = len(self.states)
         t1 = time.perf_counter()
         self.stats.proposer_time_s += t1 - t0

@@ -68,6 +68,10 @@ from vllm_lookahead.planner import (
 from vllm_lookahead.trees import TreeAsk, plan_trees
 
 
+#: The parent of every request of a ``closed`` batch (:meth:`StepDrafter._weights`).
+_WHOLE_BATCH = object()
+
+
 class StepDrafter:
     """The drafts of one engine step for the batch's decoding requests.
 
@@ -96,7 +100,8 @@ class StepDrafter:
         self.memory = None
 
     def run(self, live: list[Live], num_rows: int, num_decoding: int, spec_k: int,
-            joined: bool, token_ids: np.ndarray, run_trees) -> tuple[list, tuple | None]:
+            joined: bool, token_ids: np.ndarray, run_trees,
+            closed: bool = False) -> tuple[list, tuple | None]:
         """Drafts for the step.
 
         Args:
@@ -108,6 +113,8 @@ class StepDrafter:
             token_ids: int [rows, >= n_tok] the batch's tokens.
             run_trees: ``[(row, PlannedTree)] -> [int [T] argmax per node]``,
                 one tree-masked forward (separate pass).
+            closed: plan the batch for its end (``batch_end``: nothing
+                waits for its slots, every row decodes with lookahead).
 
         Returns:
             ``(drafts, planned)``: per row its draft (token ids); the step as
@@ -124,7 +131,7 @@ class StepDrafter:
                 r.state.draft_sources, r.state.lookup = [], []
             live = []
         everyone = live
-        by_row, planned_rows = self._weights(everyone, num_decoding)
+        by_row, planned_rows = self._weights(everyone, num_decoding, closed)
         live = self.quiet.keep(live, spec_k, joined, self.planner, self.trees, weights=by_row)
         if self.cfg.prompt_pool:
             for r in live:
@@ -165,21 +172,26 @@ class StepDrafter:
         return drafts, planned
 
     # -- planning ------------------------------------------------------------
-    def _weights(self, everyone: list[Live],
-                 batch: int) -> tuple[dict[int, float] | None, set[int]]:
+    def _weights(self, everyone: list[Live], batch: int,
+                 closed: bool = False) -> tuple[dict[int, float] | None, set[int]]:
         """Per request of ``everyone`` (by batch row), what a token it gains
         is worth (:func:`~vllm_lookahead.planner.sibling_weights` over the
         samples of one parent decoding this step; None: all 1), and the
-        rows planned for their parent."""
-        if (self.planner is None or not self.cfg.parent_latency or not everyone
-                or not any(r.state.group for r in everyone)):
+        rows planned for their parent. ``closed`` (``batch_end``): the
+        whole batch is one parent, where every request has an output cap."""
+        if self.planner is None or not everyone:
             return None, set()
-        groups, remaining, draws = [], [], []
+        remaining = [None if r.state.max_tokens is None
+                     else r.state.max_tokens - (r.n_tok - r.state.num_prompt_tokens)
+                     for r in everyone]
+        closed = closed and len(everyone) > 1 and None not in remaining
+        if not closed and (not self.cfg.parent_latency
+                           or not any(r.state.group for r in everyone)):
+            return None, set()
+        groups, draws = [], []
         for r in everyone:
             st = r.state
-            groups.append(st.group)
-            remaining.append(None if st.max_tokens is None
-                             else st.max_tokens - (r.n_tok - st.num_prompt_tokens))
+            groups.append(_WHOLE_BATCH if closed else st.group)
             # its typical draft: its last lookup's kind, N - 1 tokens
             draws.append((st.acc.unchecked_p(st.lookup_kind) * st.acc.prior.calibration,
                           max(1, min(st.settings.ngram_size - 1, r.room))))
