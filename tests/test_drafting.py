@@ -531,6 +531,49 @@ def test_a_request_whose_own_bound_cannot_pay_is_left_out():
     assert stats.requests_quiet == 1 and weak.lookup
 
 
+def test_requests_left_off_after_their_lookup_are_off_in_the_full_plan(monkeypatch):
+    """A mature request whose lookup cannot pay with the others off is left
+    off without the planner's search (``requests_unpaid``), and the step's
+    drafts are the ones the planner gives with every request searched:
+    random batches of requests of random acceptance, room and weight."""
+    import copy
+    import random
+
+    import vllm_lookahead.step as step_mod
+    from vllm_lookahead.acceptance import LOOKUP_KINDS
+    from vllm_lookahead.step import QuietBatches
+
+    rng = random.Random(5)
+    left_off = 0
+    for _ in range(60):
+        rows = rng.randint(2, 12)
+        step, stats, prior, text, tokens = _planned_step(0.3, rng.choice([0.001, 0.01, 0.05]),
+                                                         rows=rows)
+        step.trees = False
+        live = []
+        for i in range(rows):
+            st = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
+                           tokens[i], len(text), len(text), None, False, 0, prior)
+            st.acc.seen = QuietBatches.MATURE
+            p = rng.random()
+            for kind in LOOKUP_KINDS:
+                st.acc.unchecked[kind].hits, st.acc.unchecked[kind].misses = 100 * p, 100 * (1 - p)
+            live.append(Live(i, st, len(text), rng.randint(0, 3), []))
+        weights = [rng.uniform(0.0, 2.0) for _ in live]
+        full_live = copy.deepcopy(live)
+        drafts = [[] for _ in range(rows)]
+        step._plan(live, drafts, tokens, weights=weights)
+        left_off += stats.requests_unpaid
+        full = [[] for _ in range(rows)]
+        with monkeypatch.context() as m:
+            m.setattr(step_mod, "_cannot_pay", lambda *args: False)
+            before = stats.requests_unpaid
+            step._plan(full_live, full, tokens, weights=weights)
+            assert stats.requests_unpaid == before
+        assert drafts == full
+    assert left_off > 100  # most of the weak or unweighted ones
+
+
 def test_planner_counts_requests_left_out_as_off():
     from vllm_lookahead.acceptance import RequestAcceptance
     from vllm_lookahead.cost_model import CostCurve, CostModel

@@ -621,6 +621,10 @@ class Planner:
         (:meth:`_explore`; the engine's steps do, the value tests not)."""
         r_n = len(views)
         if r_n == 0:
+            if explore and others > 0:
+                # every request left out after its lookup (off): the step
+                # still counts towards the exploration's share
+                self.planned_s += self.cost.predict(others, 1.0, tree=False)
             return []
         batch = r_n + max(others, 0)
         options = [self.shapes(v, batch) for v in views]
@@ -688,6 +692,19 @@ class Planner:
         if not any(c.kind == "tree" for c in chosen):
             self._explore(chosen, options, views, sec, seconds, max_tree_tokens)
         return chosen
+
+    def may_explore(self, batch: int, nodes: int) -> bool:
+        """Whether :meth:`_explore` could give a tree of ``nodes`` nodes or
+        more in a ``batch``-request step now: the step with it and every
+        other request off fits the exploration's credit and
+        :attr:`EXPLORE_MAX_STEP` plain steps (with any other request
+        drafting it would cost more)."""
+        credit = self.EXPLORE_SHARE * self.planned_s - self.explore_s
+        if credit <= 0:
+            return False
+        step = self.cost.predict(batch, 1.0 + nodes / max(batch, 1), tree=True)
+        return step <= credit and step <= self.EXPLORE_MAX_STEP * self.cost.predict(
+            batch, 1.0, tree=False)
 
     def _explore(self, chosen, options, views, sec, seconds, max_tree_tokens) -> None:
         """Give one request (in turn) that has not run a tree (or not for

@@ -57,6 +57,9 @@ class LookaheadStats:
             per-request work (lookups, pool updates, planning) was skipped.
         requests_quiet: request-steps left out so, in quiet steps or by the
             request's own bound (``step.QuietBatches``).
+        requests_unpaid: request-steps left off after their lookup, without
+            the planner's search: what they found could not pay with the
+            others off (``step._cannot_pay``).
         planned_gain, planned_gain_seen: over the unchecked drafts the
             planner chose, the draft tokens it expected the verifier to
             accept (from the request's acceptance estimate) and those it
@@ -104,6 +107,7 @@ class LookaheadStats:
     steps_off: int = 0
     steps_quiet: int = 0
     requests_quiet: int = 0
+    requests_unpaid: int = 0
     sibling_steps: int = 0
     sibling_ahead_steps: int = 0
     planned_gain: float = 0.0

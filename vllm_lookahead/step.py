@@ -52,6 +52,7 @@ runs with no tree and no draft; a request whose drafts cannot pay
 
 from __future__ import annotations
 
+import math
 from functools import reduce
 
 import numpy as np
@@ -245,7 +246,18 @@ class StepDrafter:
             if st.catch_up_requests:
                 runs = st.fused_trees + st.pass_requests
                 self.planner.horizon = max(runs / st.catch_up_requests, 1.0)
-            shapes = self.planner.plan(views, self.cfg.max_tree_tokens, others, explore=True)
+            # requests whose lookup this step cannot pay, the others off,
+            # are off without the planner's search (its cost grows with the
+            # batch; at 16 sequences most request-steps are off)
+            kept = [j for j, (r, v) in enumerate(zip(live, views))
+                    if not _cannot_pay(self.planner, r, v, batch)]
+            shapes = [OFF] * len(live)
+            for j, sh in zip(kept, self.planner.plan([views[j] for j in kept],
+                                                     self.cfg.max_tree_tokens,
+                                                     others + len(live) - len(kept),
+                                                     explore=True)):
+                shapes[j] = sh
+            self.stats.requests_unpaid += len(live) - len(kept)
             q = sum(sh.query for sh in shapes) / len(shapes)
             # (measured (first, next), the verification the plan priced
             # with them: the rows expected, less the bonus row expected
@@ -485,6 +497,41 @@ def _pays(planner, cache: dict, batch: int, best: BestCase, weight: float) -> bo
     if least is None:
         least = cache[batch] = planner.pay_weight(batch, best)
     return max(weight, 0.0) > least
+
+
+def _cannot_pay(planner, r: Live, view: RequestView, batch: int) -> bool:
+    """Whether request ``r`` (its lookup done, ``view`` as the planner sees
+    it) can be left off this step without the planner's search: mature, not
+    seeded, no checked chain, no exploration tree due, and no draft of its
+    lookup (at its kind's acceptance before calibration, which only lowers
+    it) nor tree of its quiet bound (``QuietBatches``) would pay at its
+    weight in a ``batch``-request step with the others off
+    (:meth:`Planner.pay_weight`, cached with the bound)."""
+    st, acc = r.state, r.state.acc
+    if view.fixed is not None or r.chain or acc.seen < QuietBatches.MATURE:
+        return False
+    if r.room <= 0:
+        return True
+    trees = {}
+    if view.trees:
+        if st.quiet_best is None:
+            return False
+        trees = st.quiet_best.trees
+        if trees and not (acc.tree_runs and acc.since_tree < planner.EXPLORE_AFTER) \
+                and planner.may_explore(batch, min(nodes for _, nodes in trees.values())):
+            return False  # it may get an exploration tree
+    k = min(view.unchecked, r.room)
+    if k <= 0 and not trees:
+        return True
+    # the kind's rate rounded up to a hundredth (a bounded cache)
+    p = math.ceil(acc.unchecked_p(view.lookup_kind) * 100.0) / 100.0 if k > 0 else 0.0
+    key = (batch, p, k, bool(trees))
+    least = st.quiet_pays.get(key)
+    if least is None:
+        least = st.quiet_pays[key] = planner.pay_weight(
+            batch, BestCase(p_unchecked=p, max_draft=max(k, 1), trees=trees,
+                            sampled=st.sampled))
+    return not max(view.weight, 0.0) > least
 
 
 def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
