@@ -1210,3 +1210,24 @@ def test_a_tree_that_gains_nothing_is_not_planned_where_drafts_look_cheap():
     v = RequestView(acc=acc, ngram_size=4, window_size=1, guess_set_size=0, room=4,
                     trees=True, verify=planner.verify_seen(1, False))
     assert planner.plan([v])[0].kind == "off"
+
+
+def test_may_explore_needs_credit_for_the_tree_step():
+    """``Planner.may_explore``: no credit, no exploration; with credit, a
+    tree whose step (the others off) fits it and 1.5 plain steps may be
+    explored, one whose step does not may not (``step._cannot_pay`` then
+    leaves its request off)."""
+    from vllm_lookahead.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner import Planner
+
+    # each extra query token costs 10% of a one-request step
+    curve = CostCurve({b: [(t, 0.05 * (1 + 0.1 * (b * t - 1))) for t in (1, 8, 64)]
+                       for b in (1, 2, 4, 8, 16)})
+    planner = Planner(CostModel(curve))
+    assert not planner.may_explore(4, 2)
+    planner.planned_s = 100.0  # 3 s of credit
+    assert planner.may_explore(4, 2)
+    # 40 tree nodes: more than 1.5 plain steps
+    assert not planner.may_explore(4, 40)
+    planner.explore_s = planner.EXPLORE_SHARE * planner.planned_s  # credit spent
+    assert not planner.may_explore(4, 2)
