@@ -29,9 +29,9 @@ from vllm_lookahead import lazy_bonus
 from vllm_lookahead.acceptance import AcceptancePrior
 from vllm_lookahead.config import (
     ADDITIONAL_CONFIG_KEY,
+    WAITING_ATTR,
     LookaheadConfig,
     LookaheadConfigError,
-    WAITING_ATTR,
     RequestSettings,
     request_settings,
 )

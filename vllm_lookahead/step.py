@@ -180,19 +180,17 @@ class StepDrafter:
         samples of one parent decoding this step; None: all 1), and the
         rows planned for their parent. ``closed`` (``batch_end``): the
         whole batch is one parent, where every request has an output cap."""
-        if self.planner is None or not everyone:
+        closed = (closed and len(everyone) > 1
+                  and all(r.state.max_tokens is not None for r in everyone))
+        if self.planner is None or not everyone or not closed and (
+                not self.cfg.parent_latency or not any(r.state.group for r in everyone)):
             return None, set()
-        remaining = [None if r.state.max_tokens is None
-                     else r.state.max_tokens - (r.n_tok - r.state.num_prompt_tokens)
-                     for r in everyone]
-        closed = closed and len(everyone) > 1 and None not in remaining
-        if not closed and (not self.cfg.parent_latency
-                           or not any(r.state.group for r in everyone)):
-            return None, set()
-        groups, draws = [], []
+        groups, remaining, draws = [], [], []
         for r in everyone:
             st = r.state
             groups.append(_WHOLE_BATCH if closed else st.group)
+            remaining.append(None if st.max_tokens is None
+                             else st.max_tokens - (r.n_tok - st.num_prompt_tokens))
             # its typical draft: its last lookup's kind, N - 1 tokens
             draws.append((st.acc.unchecked_p(st.lookup_kind) * st.acc.prior.calibration,
                           max(1, min(st.settings.ngram_size - 1, r.room))))
@@ -489,13 +487,15 @@ class QuietBatches:
         return st.quiet_best
 
 
-def _pays(planner, cache: dict, batch: int, best: BestCase, weight: float) -> bool:
+def _pays(planner, cache: dict, batch: int, best: BestCase, weight: float,
+          key=None) -> bool:
     """:meth:`Planner.any_pays` for ``best`` at ``weight``, its least paying
-    weight (:meth:`Planner.pay_weight`) kept in ``cache`` by batch size
-    until the bound is taken again."""
-    least = cache.get(batch)
+    weight (:meth:`Planner.pay_weight`) kept in ``cache`` under ``key``
+    (None: the batch size) until the bound is taken again."""
+    key = batch if key is None else key
+    least = cache.get(key)
     if least is None:
-        least = cache[batch] = planner.pay_weight(batch, best)
+        least = cache[key] = planner.pay_weight(batch, best)
     return max(weight, 0.0) > least
 
 
@@ -525,13 +525,10 @@ def _cannot_pay(planner, r: Live, view: RequestView, batch: int) -> bool:
         return True
     # the kind's rate rounded up to a hundredth (a bounded cache)
     p = math.ceil(acc.unchecked_p(view.lookup_kind) * 100.0) / 100.0 if k > 0 else 0.0
-    key = (batch, p, k, bool(trees))
-    least = st.quiet_pays.get(key)
-    if least is None:
-        least = st.quiet_pays[key] = planner.pay_weight(
-            batch, BestCase(p_unchecked=p, max_draft=max(k, 1), trees=trees,
-                            sampled=st.sampled))
-    return not max(view.weight, 0.0) > least
+    return not _pays(planner, st.quiet_pays, batch,
+                     BestCase(p_unchecked=p, max_draft=max(k, 1), trees=trees,
+                              sampled=st.sampled),
+                     view.weight, key=(batch, p, k, bool(trees)))
 
 
 def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
