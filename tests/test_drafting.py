@@ -550,6 +550,8 @@ def test_requests_left_off_after_their_lookup_are_off_in_the_full_plan(monkeypat
         step, stats, prior, text, tokens = _planned_step(0.3, rng.choice([0.001, 0.01, 0.05]),
                                                          rows=rows)
         step.trees = False
+        # the planner's unchecked gains scaled by the engine's calibration
+        prior.calibration = rng.choice([1.0, rng.uniform(0.3, 1.0)])
         live = []
         for i in range(rows):
             st = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),

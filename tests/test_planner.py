@@ -18,6 +18,7 @@ from vllm_lookahead.acceptance import (
     AcceptancePrior,
     RequestAcceptance,
     geometric_gain,
+    possible_kinds,
 )
 from vllm_lookahead.cost_cache import CostCache, cache_key, load_curve
 from vllm_lookahead.cost_model import CostCurve, CostModel, bucket_of, measure_curve
@@ -204,6 +205,8 @@ def test_any_pays_false_means_the_plan_is_all_off():
         planner = Planner(cost, fused=rng.random() < 0.7)
         prior = AcceptancePrior(max_cands=8, p_unchecked=rng.uniform(0, 0.6),
                                 p_checked=rng.uniform(0.5, 1.0))
+        # the unchecked gains as the planner scales them (the bounds too)
+        prior.calibration = cal = rng.choice([1.0, rng.uniform(0.3, 1.0)])
         batch = rng.choice([1, 2, 4, 8, 16, 24])
         share = rng.choice([0.0, 0.5, 1.0])  # of the requests that sample
         views, sampled = [], []
@@ -215,11 +218,18 @@ def test_any_pays_false_means_the_plan_is_all_off():
                 acc.unchecked[kind].misses = rng.uniform(0.1, 9)
             acc.tree_cands = sorted(rng.uniform(0, 1.5) for _ in acc.tree_cands)
             n, w, g = rng.randint(2, 6), rng.randint(0, 7), rng.randint(1, 8)
+            # the kinds its lookups can return (all, or those its settings
+            # allow), and this step's lookup of one of them
+            kinds = (None if rng.random() < 0.3 else
+                     possible_kinds(rng.random() < 0.8, rng.random() < 0.3, rng.random() < 0.5))
+            kind = rng.choice(kinds or LOOKUP_KINDS)
+            kind += rng.choice(["", "+", "-"]) if kind != "pool" else ""
             views.append(view(acc, chain=rng.choice([0, 0, 2]), unchecked=rng.randint(0, 5),
-                              n=n, w=w, g=g, room=rng.randint(0, 5),
-                              lookup_kind=rng.choice(LOOKUP_KINDS), trees=rng.random() < 0.8,
+                              n=n, w=w, g=g, room=rng.randint(0, 5), kinds=kinds,
+                              lookup_kind=kind, trees=rng.random() < 0.8,
                               verify=cost.verify(batch, sampled[-1])))
-        if not planner.any_pays(batch, BestCase.of(views, prior, sampled=all(sampled))):
+        if not planner.any_pays(batch, BestCase.of(views, prior, sampled=all(sampled)),
+                                calibration=cal):
             quiet += 1
             assert all(s == OFF for s in planner.plan(views)), trial
         # each request's own bound (step.QuietBatches): where it says
@@ -229,13 +239,32 @@ def test_any_pays_false_means_the_plan_is_all_off():
         joined = own[0]
         for best in own[1:]:
             joined = joined.join(best)
-        if not planner.any_pays(batch, joined):
+        if not planner.any_pays(batch, joined, calibration=cal):
             assert all(s == OFF for s in planner.plan(views)), trial
         for v, best in zip(views, own):
-            if not planner.any_pays(batch, best):
+            if not planner.any_pays(batch, best, calibration=cal):
                 alone_off += 1
                 assert planner.plan([v], others=batch - 1) == [OFF], trial
     assert quiet >= 10 and alone_off >= 50  # the cases are exercised
+
+
+def test_the_bound_takes_only_the_kinds_a_request_can_draft():
+    """Without lookups past N nor the shared memory, a request's bound
+    leaves out the long own-text kinds and the memory's, whatever the
+    prior holds for them."""
+    prior = AcceptancePrior(max_cands=4, p_unchecked=0.3)
+    acc = RequestAcceptance(prior)
+    prior.p_unchecked["suffix24"] = prior.p_unchecked["memory12"] = 0.9
+    acc.unchecked["suffix16"].hits = 1000.0
+    every = BestCase.of([view(acc)], prior)
+    own = BestCase.of([view(acc, kinds=possible_kinds(True, False, False))], prior)
+    factor = max(1.0, prior.max_agreement_factor())
+    assert every.p_unchecked == pytest.approx(min(0.9 * factor, 0.98), abs=0.1)
+    assert own.p_unchecked == pytest.approx(
+        min(max(prior.p_unchecked["suffix4"], acc.unchecked["suffix4"].p) * factor, 0.98))
+    assert own.p_unchecked < every.p_unchecked
+    assert possible_kinds(False, True, False) == ("pool",)
+    assert set(possible_kinds(True, True, True)) == set(LOOKUP_KINDS)
 
 
 def test_pay_weight_is_where_any_shape_starts_to_pay():

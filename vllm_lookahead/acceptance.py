@@ -68,6 +68,21 @@ AGREEMENT_MIX = {"": 0.625, "+": 0.25, "-": 0.125}
 P_MAX = 0.98
 
 
+def possible_kinds(prompt: bool, long: bool, memory: bool) -> tuple[str, ...]:
+    """The lookup kinds a request's lookups can return (:func:`~vllm_lookahead.
+    drafting.lookup`): the own-text kinds where the prompt pool is on
+    (``prompt``), the long ones only where lookups run past N (``long``),
+    the shared memory's where the request reads it (``memory``), and the
+    pool's guess always."""
+    kinds = []
+    if prompt:
+        kinds += [f"suffix{b}" for b in reversed(LONG_SUFFIX_KINDS)] if long else []
+        kinds += ["suffix4", "suffix3", "suffix2"]
+    if memory:
+        kinds += ["memory12", "memory6", "memory3"]
+    return (*kinds, "pool")
+
+
 def split_kind(kind: str) -> tuple[str, str]:
     """``"suffix3+"`` -> ``("suffix3", "+")``; ``"pool"`` -> ``("pool", "")``."""
     if kind and kind[-1] in "+-":

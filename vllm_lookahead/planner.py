@@ -109,6 +109,9 @@ class RequestView:
             anywhere (its bonus row, sampled lazily only after a wholly
             accepted draft,
             :meth:`~vllm_lookahead.cost_model.CostModel.bonus`; 0: none).
+        kinds: the lookup kinds its lookups can return
+            (:func:`~vllm_lookahead.acceptance.possible_kinds`; None: any),
+            which :meth:`BestCase.of` bounds over.
     """
 
     acc: RequestAcceptance
@@ -125,6 +128,7 @@ class RequestView:
     verify: tuple[float, float] = (0.0, 0.0)
     lazy: bool = False
     bonus: float = 0.0
+    kinds: tuple[str, ...] | None = None
 
     def draft_p(self, tree: bool = False) -> float:
         """Per-token acceptance of the draft this request hands the
@@ -248,8 +252,9 @@ def sibling_weights(groups: list, remaining: list, slot_value, end_value,
 class BestCase:
     """An upper bound of what any request of a batch could gain per query
     token: the highest acceptance estimates among the requests and the
-    engine's prior (which new requests start from), the longest draft, and
-    the smallest tree of each kind. See :meth:`Planner.any_pays`.
+    engine's prior (which new requests start from), of the lookup kinds the
+    requests can draft (``RequestView.kinds``), the longest draft, and the
+    smallest tree of each kind. See :meth:`Planner.any_pays`.
 
     Attributes:
         p_unchecked: highest per-token acceptance of an unchecked draft
@@ -272,11 +277,19 @@ class BestCase:
         """The bound of ``views`` (non-empty) and the engine's ``prior``
         (an :class:`~vllm_lookahead.acceptance.AcceptancePrior`);
         ``sampled``: every one of the requests samples."""
-        accs = [v.acc for v in views]
-        p_u = max([max(prior.p_unchecked.values())]
-                  + [max(r.p for r in a.unchecked.values()) for a in accs])
+        # over the kinds each request's lookups can return (all: None), and
+        # suffix4 where a tree may leave it a checked chain (valued so)
+        kinds = set()
+        own = []
+        for v in views:
+            ks = set(v.kinds if v.kinds is not None else prior.p_unchecked)
+            if v.trees or v.chain > 0:
+                ks.add("suffix4")
+            kinds |= ks
+            own += [v.acc.unchecked[kind].p for kind in ks]
+        p_u = max([prior.p_unchecked[kind] for kind in kinds] + own)
         p_u = min(p_u * max(1.0, prior.max_agreement_factor()), max(p_u, P_MAX))
-        p_c = max([prior.p_checked] + [a.checked.p for a in accs])
+        p_c = max([prior.p_checked] + [v.acc.checked.p for v in views])
         trees: dict = {}
         for v in views:
             if not v.trees:
@@ -299,6 +312,14 @@ class BestCase:
         return BestCase(p_unchecked=max(self.p_unchecked, other.p_unchecked),
                         max_draft=max(self.max_draft, other.max_draft), trees=trees,
                         sampled=self.sampled and other.sampled)
+
+
+def least_weight(pair: tuple[float, float], calibration: float = 1.0) -> float:
+    """The least paying weight of :meth:`Planner.pay_weights`'s ``(drafts,
+    trees)`` where unchecked gains are scaled by ``calibration`` (> 0): a
+    draft pays where ``weight * calibration * gain > cost``."""
+    drafts, trees = pair
+    return min(drafts / max(calibration, 1e-12), trees)
 
 
 @lru_cache(maxsize=128)
@@ -560,10 +581,13 @@ class Planner:
                 self.cost.predict(max(batch - samples + 1, 1), 1.0, tree=False))
 
     # -- the batch ---------------------------------------------------------------
-    def any_pays(self, batch: int, best: BestCase, weight: float = 1.0) -> bool:
+    def any_pays(self, batch: int, best: BestCase, weight: float = 1.0,
+                 calibration: float = 1.0) -> bool:
         """Whether :meth:`plan` could give any request of a ``batch``-request
         step a draft or a tree, for requests no better than ``best`` whose
-        gained tokens are worth at most ``weight`` (``RequestView.weight``):
+        gained tokens are worth at most ``weight`` (``RequestView.weight``),
+        their unchecked gains scaled by ``calibration`` (the engine's,
+        :attr:`AcceptancePrior.calibration`, as the planner scales them):
         ``weight`` above :meth:`pay_weight`.
 
         :meth:`plan` starts from every request off and moves a request only
@@ -573,17 +597,25 @@ class Planner:
         False means the plan is all off: the proposer may skip the batch's
         per-request work (lookups, pool updates, planning) this step.
         """
-        return max(weight, 0.0) > self.pay_weight(batch, best)
+        return max(weight, 0.0) > self.pay_weight(batch, best, calibration)
 
-    def pay_weight(self, batch: int, best: BestCase) -> float:
+    def pay_weight(self, batch: int, best: BestCase, calibration: float = 1.0) -> float:
         """The least weight (``RequestView.weight``) above which a request
         no better than ``best`` could be given a draft or a tree in a
-        ``batch``-request step, the others off (:meth:`any_pays`): over the
-        bounded shapes, the least of what each costs beyond a plain step,
-        in tokens of the plain step, over its gained tokens (inf: no shape
-        pays at any weight; -inf: one pays at any)."""
+        ``batch``-request step, the others off (:meth:`any_pays`), its
+        unchecked gains scaled by ``calibration``: :func:`least_weight` of
+        :meth:`pay_weights`."""
+        return least_weight(self.pay_weights(batch, best), calibration)
+
+    def pay_weights(self, batch: int, best: BestCase) -> tuple[float, float]:
+        """:meth:`pay_weight` of the drafts (at calibration 1) and of the
+        trees apart, ``(drafts, trees)``: over each part's bounded shapes,
+        the least of what each costs beyond a plain step, in tokens of the
+        plain step, over its gained tokens (inf: no shape pays at any
+        weight; -inf: one pays at any). Only the drafts' gains scale with
+        the calibration, so the pair holds while it moves."""
         if batch <= 0 or best.max_draft <= 0:
-            return math.inf
+            return math.inf, math.inf
         c0 = self.cost.predict(batch, 1.0, tree=False)
         lam = batch / c0  # the all-off plan's tokens per second
         # vLLM's verification of a draft, at least (none under a tree)
@@ -591,27 +623,25 @@ class Planner:
         if not best.sampled:
             g_first, g_next = self.verify_seen(batch, False)
             first, nxt = min(first, g_first), min(nxt, g_next)
-        least = math.inf
 
-        def weigh(gain: float, query: int, tree: bool, extra: float = 0.0) -> None:
-            nonlocal least
+        def weigh(least: float, gain: float, query: int, tree: bool, extra: float = 0.0) -> float:
             sec = self.cost.predict(batch, (batch - 1 + query) / batch, tree=tree, drafting=1)
             cost = lam * (sec + extra - c0) + 1e-12  # pays where weight * gain > cost
             if gain > 0:
-                least = min(least, cost / gain)
-            elif cost < 0:
-                least = -math.inf
+                return min(least, cost / gain)
+            return -math.inf if cost < 0 else least
 
         # a draft rejected anywhere saves its bonus row where the verifier
         # samples it lazily (all sampled: the most it may save)
         saved = self.bonus(batch) if best.sampled else 0.0
+        drafts = trees = math.inf
         for k in draft_lengths(best.max_draft):
             # a lazy verifier computes one row at least
-            weigh(geometric_gain(best.p_unchecked, k), 1 + k, False,
-                  first + nxt * (0 if self.lazy_verify else k - 1) - saved)
+            drafts = weigh(drafts, geometric_gain(best.p_unchecked, k), 1 + k, False,
+                           first + nxt * (0 if self.lazy_verify else k - 1) - saved)
         for gain, nodes in best.trees.values():
-            weigh(gain, 1 + nodes, True)
-        return least
+            trees = weigh(trees, gain, 1 + nodes, True)
+        return drafts, trees
 
     def plan(self, views: list[RequestView], max_tree_tokens: int = 0,
              others: int = 0, explore: bool = False) -> list[Shape]:

@@ -57,12 +57,14 @@ from functools import reduce
 
 import numpy as np
 
+from vllm_lookahead.acceptance import possible_kinds
 from vllm_lookahead.drafting import Live, candidates, lookup, read_tree, unchecked_draft
 from vllm_lookahead.planner import (
     OFF,
     BestCase,
     RequestView,
     Shape,
+    least_weight,
     sibling_rows,
     sibling_weights,
 )
@@ -95,7 +97,7 @@ class StepDrafter:
         #: Whether trees may run (False where the engine's attention backend
         #: cannot serve the lookahead branch: prompt-lookup drafts only).
         self.trees = True
-        self.quiet = QuietBatches(stats, prior)
+        self.quiet = QuietBatches(stats, prior, cfg.prompt_pool)
         #: The engine's shared memory (:class:`~vllm_lookahead.memory.
         #: SharedMemory`; None: ``shared_memory`` off).
         self.memory = None
@@ -404,7 +406,8 @@ class QuietBatches:
     Where the planner would plan a request off whatever its lookup found
     (the bound of :meth:`Planner.any_pays`, over the request's acceptance
     estimates taken at the last full step and the engine's prior, with the
-    others off), the request is left out: no lookup, no pool update (caught
+    others off, its unchecked gains scaled by the engine's calibration of
+    this step), the request is left out: no lookup, no pool update (caught
     up later), no planning, no relaxing of its tree estimates. Where that
     holds for the bound over the whole batch (the step is quiet), every such
     request is left out. Seeded requests (their drafts depend on their text
@@ -424,9 +427,11 @@ class QuietBatches:
     #: learns at full speed).
     MATURE = 8
 
-    def __init__(self, stats, prior) -> None:
+    def __init__(self, stats, prior, prompt_pool: bool = True) -> None:
         self.stats = stats
         self.prior = prior
+        #: the engine's ``prompt_pool`` (which lookup kinds can occur)
+        self.prompt_pool = prompt_pool
         #: The bound of the batch's requests (taken at the last full step),
         #: steps since, and by batch size the least weight at which a draft
         #: could pay for the bound (``Planner.pay_weight``).
@@ -457,15 +462,16 @@ class QuietBatches:
                 self._best = self._best.join(self._bound(r, spec_k, trees))
                 self._pays = {}
         b = len(live)
+        calibration = self.prior.calibration
         quiet = not _pays(planner, self._pays, b, self._best,
-                          max(weights.values()) if weights else 1.0)
+                          max(weights.values()) if weights else 1.0, calibration)
         keep = []
         for r in live:
             st = r.state
             if st.seeded or st.acc.seen < mature or (not quiet and (
                     st.quiet_best is None
                     or _pays(planner, st.quiet_pays, b, st.quiet_best,
-                             weights[r.i] if weights else 1.0))):
+                             weights[r.i] if weights else 1.0, calibration))):
                 keep.append(r)
                 continue
             st.draft_sources, st.lookup = [], []
@@ -481,32 +487,35 @@ class QuietBatches:
         """Take request ``r``'s own bound (its drafts verified as its kind)."""
         st = r.state
         st.acc.bounded = st.acc.seen >= self.MATURE
-        st.quiet_best = BestCase.of([_bound_view(r, spec_k, trees)], self.prior,
-                                    sampled=st.sampled)
+        st.quiet_best = BestCase.of([_bound_view(r, spec_k, trees, self.prompt_pool)],
+                                    self.prior, sampled=st.sampled)
         st.quiet_pays = {}
         return st.quiet_best
 
 
 def _pays(planner, cache: dict, batch: int, best: BestCase, weight: float,
-          key=None) -> bool:
-    """:meth:`Planner.any_pays` for ``best`` at ``weight``, its least paying
-    weight (:meth:`Planner.pay_weight`) kept in ``cache`` under ``key``
-    (None: the batch size) until the bound is taken again."""
+          calibration: float = 1.0, key=None) -> bool:
+    """:meth:`Planner.any_pays` for ``best`` at ``weight`` and the engine's
+    ``calibration``; the bound's least paying weights
+    (:meth:`Planner.pay_weights`, which the calibration does not move) kept
+    in ``cache`` under ``key`` (None: the batch size) until the bound is
+    taken again."""
     key = batch if key is None else key
-    least = cache.get(key)
-    if least is None:
-        least = cache[key] = planner.pay_weight(batch, best)
-    return max(weight, 0.0) > least
+    pair = cache.get(key)
+    if pair is None:
+        pair = cache[key] = planner.pay_weights(batch, best)
+    return max(weight, 0.0) > least_weight(pair, calibration)
 
 
 def _cannot_pay(planner, r: Live, view: RequestView, batch: int) -> bool:
     """Whether request ``r`` (its lookup done, ``view`` as the planner sees
     it) can be left off this step without the planner's search: mature, not
     seeded, no checked chain, no exploration tree due, and no draft of its
-    lookup (at its kind's acceptance before calibration, which only lowers
-    it) nor tree of its quiet bound (``QuietBatches``) would pay at its
-    weight in a ``batch``-request step with the others off
-    (:meth:`Planner.pay_weight`, cached with the bound)."""
+    lookup (at its kind's acceptance rounded up to a hundredth, its gain
+    scaled by the engine's calibration as the planner scales it) nor tree
+    of its quiet bound (``QuietBatches``) would pay at its weight in a
+    ``batch``-request step with the others off (:meth:`Planner.pay_weights`,
+    cached with the bound)."""
     st, acc = r.state, r.state.acc
     if view.fixed is not None or r.chain or acc.seen < QuietBatches.MATURE:
         return False
@@ -528,7 +537,7 @@ def _cannot_pay(planner, r: Live, view: RequestView, batch: int) -> bool:
     return not _pays(planner, st.quiet_pays, batch,
                      BestCase(p_unchecked=p, max_draft=max(k, 1), trees=trees,
                               sampled=st.sampled),
-                     view.weight, key=(batch, p, k, bool(trees)))
+                     view.weight, acc.prior.calibration, key=(batch, p, k, bool(trees)))
 
 
 def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
@@ -562,10 +571,13 @@ def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
         fixed=seeded_shape)
 
 
-def _bound_view(r: Live, spec_k: int, trees_here: bool = True) -> RequestView:
+def _bound_view(r: Live, spec_k: int, trees_here: bool = True,
+                prompt_pool: bool = True) -> RequestView:
     """A request as :meth:`BestCase.of` sees it: its settings' upper bounds
-    (not this step's pool or room), so the bound holds for later steps."""
-    s = r.state.settings
-    return RequestView(acc=r.state.acc, ngram_size=s.ngram_size, window_size=s.window_size,
+    (not this step's pool or room) and the lookup kinds it can draft, so
+    the bound holds for later steps."""
+    st, s = r.state, r.state.settings
+    kinds = possible_kinds(prompt_pool, s.lookup_len > s.ngram_size, st.memory_reads)
+    return RequestView(acc=st.acc, ngram_size=s.ngram_size, window_size=s.window_size,
                        guess_set_size=s.guess_set_size, room=spec_k,
-                       trees=trees_here and not r.state.seeded)
+                       trees=trees_here and not st.seeded, kinds=kinds)
