@@ -541,6 +541,8 @@ def test_requests_left_off_after_their_lookup_are_off_in_the_full_plan(monkeypat
 
     import vllm_lookahead.step as step_mod
     from vllm_lookahead.acceptance import LOOKUP_KINDS
+    from vllm_lookahead.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner import Planner
     from vllm_lookahead.step import QuietBatches
 
     rng = random.Random(5)
@@ -552,6 +554,11 @@ def test_requests_left_off_after_their_lookup_are_off_in_the_full_plan(monkeypat
         step.trees = False
         # the planner's unchecked gains scaled by the engine's calibration
         prior.calibration = rng.choice([1.0, rng.uniform(0.3, 1.0)])
+        # a verifier whose step pays a switch once where any request drafts
+        flat = CostCurve.flat(0.05, rng.choice([0.001, 0.01, 0.05]))
+        row = (rng.uniform(0, 0.004), rng.uniform(0, 0.002), 0.0, rng.uniform(0, 0.02))
+        step.planner = Planner(CostModel(CostCurve(flat.points, {"sampled": {1: row},
+                                                                "greedy": {1: row}})))
         live = []
         for i in range(rows):
             st = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
@@ -568,7 +575,7 @@ def test_requests_left_off_after_their_lookup_are_off_in_the_full_plan(monkeypat
         left_off += stats.requests_unpaid
         full = [[] for _ in range(rows)]
         with monkeypatch.context() as m:
-            m.setattr(step_mod, "_cannot_pay", lambda *args: False)
+            m.setattr(step_mod, "_cannot_pay", lambda *args, **kw: False)
             before = stats.requests_unpaid
             step._plan(full_live, full, tokens, weights=weights)
             assert stats.requests_unpaid == before

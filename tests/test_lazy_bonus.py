@@ -209,7 +209,10 @@ def test_measure_verify_times_accepted_and_rejected_drafts(verifier):
     runs vLLM's samplers on its synthetic rows: the one-token drafts it
     times as accepted are accepted and those it times as rejected are
     rejected (so ``bonus``, the accepted over the rejected, is what a lazy
-    verifier skips), and every entry is ``(first, next, bonus)``."""
+    verifier skips), and every entry is ``(first, next, bonus, switch)``:
+    at batch 1 the switch is 0 (one request's first token and the step's
+    switch are one), and first + switch is what one drafting request adds
+    over the plain sampler."""
     from vllm_lookahead import warmup
 
     seen = []
@@ -232,7 +235,8 @@ def test_measure_verify_times_accepted_and_rejected_drafts(verifier):
     for kind in table.values():
         assert set(kind) == {1, 2}
         for row in kind.values():
-            assert len(row) == 3 and all(x >= 0 for x in row)
+            assert len(row) == 4 and all(x >= 0 for x in row)
+        assert kind[1][3] == 0.0
     # a greedy batch's bonus rows are never skipped: not timed, 0
     assert all(row[2] == 0.0 for row in table["greedy"].values())
     every = [(tokens, out) for tokens, nums, out in seen if len(nums) == 2 and nums == [1, 1]]

@@ -199,7 +199,8 @@ def test_any_pays_false_means_the_plan_is_all_off():
         fn = rng.choice([amx, avx2_bf16, gpu, lambda t: 1 + 0.06 * (t - 1),
                          lambda t: 1 + 0.02 * (t - 1)])
         verify = {} if rng.random() < 0.3 else {
-            kind: {b: (rng.uniform(0, 0.3) * STEP, rng.uniform(0, 0.1) * STEP)
+            kind: {b: (rng.uniform(0, 0.3) * STEP, rng.uniform(0, 0.1) * STEP, 0.0,
+                       rng.choice([0.0, rng.uniform(0, 0.3) * STEP]))
                    for b in (1, 4, 16)} for kind in ("sampled", "greedy")}
         cost = CostModel(CostCurve(curve_from(fn).points, verify))
         planner = Planner(cost, fused=rng.random() < 0.7)
@@ -227,9 +228,12 @@ def test_any_pays_false_means_the_plan_is_all_off():
             views.append(view(acc, chain=rng.choice([0, 0, 2]), unchecked=rng.randint(0, 5),
                               n=n, w=w, g=g, room=rng.randint(0, 5), kinds=kinds,
                               lookup_kind=kind, trees=rng.random() < 0.8,
-                              verify=cost.verify(batch, sampled[-1])))
+                              verify=cost.verify(batch, sampled[-1]),
+                              switch=cost.switch(batch, sampled[-1])))
+        # no request could pay as the step's only drafting one (the switch
+        # its draft pays): the plan is all off
         if not planner.any_pays(batch, BestCase.of(views, prior, sampled=all(sampled)),
-                                calibration=cal):
+                                calibration=cal, alone=True):
             quiet += 1
             assert all(s == OFF for s in planner.plan(views)), trial
         # each request's own bound (step.QuietBatches): where it says
@@ -239,13 +243,44 @@ def test_any_pays_false_means_the_plan_is_all_off():
         joined = own[0]
         for best in own[1:]:
             joined = joined.join(best)
-        if not planner.any_pays(batch, joined, calibration=cal):
+        if not planner.any_pays(batch, joined, calibration=cal, alone=True):
             assert all(s == OFF for s in planner.plan(views)), trial
         for v, best in zip(views, own):
             if not planner.any_pays(batch, best, calibration=cal):
                 alone_off += 1
                 assert planner.plan([v], others=batch - 1) == [OFF], trial
     assert quiet >= 10 and alone_off >= 50  # the cases are exercised
+
+
+def test_a_step_pays_the_verifiers_switch_once():
+    """Where the step already drafts (one request's draft pays even with
+    the verifier's switch), a second request drafts what pays beside it
+    without the switch; priced per request, the switch would keep it off.
+    A request's own bound leaves the switch out (it may draft beside
+    another), the step's alone puts it in."""
+    curve = CostCurve.flat(STEP, 0.02)
+    row = (0.02 * STEP, 0.01 * STEP, 0.0, 0.3 * STEP)
+    shared = Planner(CostModel(CostCurve(curve.points, {"sampled": {1: row}, "greedy": {1: row}})))
+    each = Planner(CostModel(CostCurve(curve.points, {
+        "sampled": {1: (row[0] + row[3], row[1])}, "greedy": {1: (row[0] + row[3], row[1])}})))
+    prior = AcceptancePrior(max_cands=2, p_unchecked=0.5)
+
+    def req(p, switch):
+        acc = RequestAcceptance(prior)
+        acc.unchecked["suffix4"] = type(acc.unchecked["suffix4"])(100 * p, 100 * (1 - p))
+        return view(acc, unchecked=4, room=4, trees=False, switch=switch,
+                    verify=(row[0], row[1]) if switch else (row[0] + row[3], row[1]))
+
+    strong, weak = 0.95, 0.25
+    plan = shared.plan([req(strong, row[3]), req(weak, row[3])])
+    assert plan[0].draft > 0 and plan[1].draft > 0
+    plan = each.plan([req(strong, 0.0), req(weak, 0.0)])
+    assert plan[0].draft > 0 and plan[1] == OFF
+    # the weak one alone does not pay the switch
+    assert shared.plan([req(weak, row[3])]) == [OFF]
+    best = BestCase.of([req(weak, row[3])], prior)
+    alone, beside = shared.pay_weights(2, best, alone=True), shared.pay_weights(2, best)
+    assert alone[0] > beside[0] and alone[1] == beside[1]
 
 
 def test_the_bound_takes_only_the_kinds_a_request_can_draft():
@@ -996,8 +1031,15 @@ def test_verify_costs_interpolate_by_batch_and_kind():
     assert b.bonus_at(2, False) == 0.0
     assert CostModel(b).bonus(16, True) == pytest.approx(0.0015)
     assert CostCurve.from_dict(b.to_dict(), b.verify_dict()).verify == b.verify
+    # what a step pays once where any request drafts: 0 where not given
+    assert b.switch_at(2, True) == 0.0 and CostModel(b).switch(4, True) == 0.0
+    s = CostCurve({1: [(1, STEP)]}, {"sampled": {1: (0.002, 0.0004, 0.003, 0.0),
+                                                 4: (0.001, 0.0008, 0.0015, 0.003)}})
+    assert s.switch_at(2, True) == pytest.approx(0.001) and s.switch_at(9, True) == 0.003
+    assert CostModel(s).switch(4, False) == 0.0
+    assert CostCurve.from_dict(s.to_dict(), s.verify_dict()).verify == s.verify
     with pytest.raises(ValueError, match="verification cost"):
-        CostCurve({1: [(1, STEP)]}, {"sampled": {1: (0.1, 0.1, 0.1, 0.1)}})
+        CostCurve({1: [(1, STEP)]}, {"sampled": {1: (0.1, 0.1, 0.1, 0.1, 0.1)}})
     with pytest.raises(ValueError, match="verification cost"):
         CostCurve({1: [(1, STEP)]}, {"sampled": {1: (0.1, 0.1, -0.1)}})
     assert CostModel(c).verify(4, True) == (0.004, 0.0008)

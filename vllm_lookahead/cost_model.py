@@ -71,13 +71,19 @@ class CostCurve:
             where a lazy verifier samples it only after a wholly accepted
             draft (patch 15's ``lazy_bonus``; ``first_s`` counts it, a
             draft rejected anywhere saves it; 0 where nothing skips it, or
-            in a file without it): ``{kind: {batch: (first_s, next_s,
-            bonus_s)}}``. Empty: not measured (the planner then counts
-            nothing for it, and the steps seen teach it as they can).
+            in a file without it), and ``switch_s``, what a step pays once
+            where any of its requests drafts (vLLM's rejection sampler in
+            place of its plain sampler) beyond what each drafting request
+            adds: ``first_s`` is then each drafting request's own first
+            token (0 in a file without it, whose ``first_s`` counts both,
+            and at batch 1, where the two are one):
+            ``{kind: {batch: (first_s, next_s, bonus_s, switch_s)}}``.
+            Empty: not measured (the planner then counts nothing for it,
+            and the steps seen teach it as they can).
     """
 
     points: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
-    verify: dict[str, dict[int, tuple[float, float, float]]] = field(default_factory=dict)
+    verify: dict[str, dict[int, tuple[float, float, float, float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         clean = {}
@@ -97,10 +103,10 @@ class CostCurve:
             rows = {}
             for b, pair in table.items():
                 vals = tuple(float(x) for x in pair)
-                if (int(b) < 1 or len(vals) not in (2, 3)
+                if (int(b) < 1 or len(vals) not in (2, 3, 4)
                         or not all(x >= 0 and math.isfinite(x) for x in vals)):
                     raise ValueError(f"bad verification cost for batch {b}: {pair}")
-                rows[int(b)] = vals if len(vals) == 3 else (*vals, 0.0)
+                rows[int(b)] = (*vals, 0.0, 0.0)[:4]
             if rows:
                 verify[kind] = dict(sorted(rows.items()))
         self.verify = verify
@@ -157,7 +163,7 @@ class CostCurve:
         ``batch``-request step (``sampled``: a sampled request, else a
         greedy one): linear in the batch size between measured sizes, the
         nearest measured size outside them; ``(0, 0)`` if not measured."""
-        first, nxt, _ = self._verify_row(batch, sampled)
+        first, nxt, _, _ = self._verify_row(batch, sampled)
         return first, nxt
 
     def bonus_at(self, batch: int, sampled: bool) -> float:
@@ -166,10 +172,16 @@ class CostCurve:
         samples bonus rows lazily; 0 if not measured."""
         return self._verify_row(batch, sampled)[2]
 
-    def _verify_row(self, batch: int, sampled: bool) -> tuple[float, float, float]:
+    def switch_at(self, batch: int, sampled: bool) -> float:
+        """``switch_s`` of :attr:`verify` (as :meth:`verify_at`): what a
+        ``batch``-request step pays once where any request drafts; 0 if not
+        measured."""
+        return self._verify_row(batch, sampled)[3]
+
+    def _verify_row(self, batch: int, sampled: bool) -> tuple[float, float, float, float]:
         table = self.verify.get("sampled" if sampled else "greedy")
         if not table:
-            return (0.0, 0.0, 0.0)
+            return (0.0, 0.0, 0.0, 0.0)
         batch = max(int(batch), 1)
         bs = list(table)
         if batch <= bs[0]:
@@ -368,6 +380,14 @@ class CostModel:
         (on the CPU, where vLLM's plain top-p sorts the vocabulary and a
         draft row's top-p does not, patch 15)."""
         return self.curve.bonus_at(batch, sampled)
+
+    def switch(self, batch: int, sampled: bool) -> float:
+        """What a ``batch``-request step pays once where any request drafts
+        (:meth:`CostCurve.switch_at`, measured with the curve): vLLM's
+        rejection sampler's own cost over its plain sampler's, beyond each
+        drafting request's first token (:meth:`verify`). Like it, taken
+        out of the steps booked."""
+        return self.curve.switch_at(batch, sampled)
 
     def verify_seen(self, batch: int, sampled: bool) -> tuple[float, float]:
         """:meth:`verify` as the steps corrected it, ``(first, next)``

@@ -112,6 +112,11 @@ class RequestView:
         kinds: the lookup kinds its lookups can return
             (:func:`~vllm_lookahead.acceptance.possible_kinds`; None: any),
             which :meth:`BestCase.of` bounds over.
+        switch: seconds a step pays once where any of its requests drafts
+            (vLLM's rejection sampler over its plain one, beyond each
+            drafting request's ``verify``:
+            :meth:`~vllm_lookahead.cost_model.CostModel.switch`); a plan
+            charges its requests' largest once.
     """
 
     acc: RequestAcceptance
@@ -129,6 +134,7 @@ class RequestView:
     lazy: bool = False
     bonus: float = 0.0
     kinds: tuple[str, ...] | None = None
+    switch: float = 0.0
 
     def draft_p(self, tree: bool = False) -> float:
         """Per-token acceptance of the draft this request hands the
@@ -498,6 +504,7 @@ class Planner:
                 return self.cost.predict(batch, tokens, False)
         step = max(plain(1, 1), 1e-12)
         first, nxt = self.verify(1, True)
+        first += self.switch(1, True)  # alone in its step as priced
         if not (first or nxt):
             first, nxt = step * self.SEEDED_FIRST, step * self.SEEDED_NEXT
         best, best_rate = 0, 1.0 / step
@@ -526,6 +533,12 @@ class Planner:
         if not self.lazy_verify or not callable(measured):
             return 0.0
         return measured(batch, True)
+
+    def switch(self, batch: int, sampled: bool) -> float:
+        """What a ``batch``-request step pays once where any request drafts
+        (:meth:`CostModel.switch`; 0 for a cost without it)."""
+        measured = getattr(self.cost, "switch", None)
+        return measured(batch, sampled) if callable(measured) else 0.0
 
     def verify_seen(self, batch: int, sampled: bool) -> tuple[float, float]:
         """:meth:`verify` as the steps seen corrected it
@@ -582,12 +595,13 @@ class Planner:
 
     # -- the batch ---------------------------------------------------------------
     def any_pays(self, batch: int, best: BestCase, weight: float = 1.0,
-                 calibration: float = 1.0) -> bool:
+                 calibration: float = 1.0, alone: bool = False) -> bool:
         """Whether :meth:`plan` could give any request of a ``batch``-request
         step a draft or a tree, for requests no better than ``best`` whose
         gained tokens are worth at most ``weight`` (``RequestView.weight``),
         their unchecked gains scaled by ``calibration`` (the engine's,
-        :attr:`AcceptancePrior.calibration`, as the planner scales them):
+        :attr:`AcceptancePrior.calibration`, as the planner scales them),
+        ``alone``: a draft pays the step's switch (:meth:`pay_weights`):
         ``weight`` above :meth:`pay_weight`.
 
         :meth:`plan` starts from every request off and moves a request only
@@ -597,32 +611,41 @@ class Planner:
         False means the plan is all off: the proposer may skip the batch's
         per-request work (lookups, pool updates, planning) this step.
         """
-        return max(weight, 0.0) > self.pay_weight(batch, best, calibration)
+        return max(weight, 0.0) > self.pay_weight(batch, best, calibration, alone)
 
-    def pay_weight(self, batch: int, best: BestCase, calibration: float = 1.0) -> float:
+    def pay_weight(self, batch: int, best: BestCase, calibration: float = 1.0,
+                   alone: bool = False) -> float:
         """The least weight (``RequestView.weight``) above which a request
         no better than ``best`` could be given a draft or a tree in a
         ``batch``-request step, the others off (:meth:`any_pays`), its
         unchecked gains scaled by ``calibration``: :func:`least_weight` of
         :meth:`pay_weights`."""
-        return least_weight(self.pay_weights(batch, best), calibration)
+        return least_weight(self.pay_weights(batch, best, alone), calibration)
 
-    def pay_weights(self, batch: int, best: BestCase) -> tuple[float, float]:
+    def pay_weights(self, batch: int, best: BestCase,
+                    alone: bool = False) -> tuple[float, float]:
         """:meth:`pay_weight` of the drafts (at calibration 1) and of the
         trees apart, ``(drafts, trees)``: over each part's bounded shapes,
         the least of what each costs beyond a plain step, in tokens of the
         plain step, over its gained tokens (inf: no shape pays at any
         weight; -inf: one pays at any). Only the drafts' gains scale with
-        the calibration, so the pair holds while it moves."""
+        the calibration, so the pair holds while it moves. ``alone``: a
+        draft pays the step's switch (:meth:`switch`) too, as the only
+        drafting request of the step does; else not, as one beside another
+        drafting request (the bound of a request whatever the others do)."""
         if batch <= 0 or best.max_draft <= 0:
             return math.inf, math.inf
         c0 = self.cost.predict(batch, 1.0, tree=False)
         lam = batch / c0  # the all-off plan's tokens per second
         # vLLM's verification of a draft, at least (none under a tree)
         first, nxt = self.verify_seen(batch, True)
+        switch = self.switch(batch, True) if alone else 0.0
         if not best.sampled:
             g_first, g_next = self.verify_seen(batch, False)
             first, nxt = min(first, g_first), min(nxt, g_next)
+            if alone:
+                switch = min(switch, self.switch(batch, False))
+        first += switch
 
         def weigh(least: float, gain: float, query: int, tree: bool, extra: float = 0.0) -> float:
             sec = self.cost.predict(batch, (batch - 1 + query) / batch, tree=tree, drafting=1)
@@ -668,15 +691,18 @@ class Planner:
                                                   tree=trees > 0, drafting=drafting)
             return s
 
+        # the verifier's switch, paid once where any request drafts
+        switch = max(v.switch for v in views)
         # Per option: (query tokens, whether a tree, tokens, extra seconds,
-        # whether more than one query token).
+        # whether more than one query token, whether a draft to verify).
         # (a request's gain beyond its one token counted at its weight)
         rows = []
         for v, opts in zip(views, options):
             weight, row = v.weight, []
             for kind, draft, _, _, nodes, tokens, extra_s in opts:
                 q = 1 + draft + nodes  # Shape.query
-                row.append((q, kind == "tree", 1.0 + weight * (tokens - 1.0), extra_s, q > 1))
+                row.append((q, kind == "tree", 1.0 + weight * (tokens - 1.0), extra_s, q > 1,
+                            draft > 0))
             rows.append(row)
         pick = [0] * r_n
         q_tot = sum(o[0][0] for o in rows)
@@ -684,29 +710,34 @@ class Planner:
         tok = sum(o[0][2] for o in rows) + (batch - r_n)  # others: 1 each
         n_tree = sum(o[0][1] for o in rows)
         n_draft = sum(o[0][4] for o in rows)
+        n_ver = sum(o[0][5] for o in rows)
         for _ in range(self.sweeps):
-            lam = tok / (seconds(q_tot, n_tree, n_draft) + extra)
+            lam = tok / (seconds(q_tot, n_tree, n_draft) + extra + (switch if n_ver else 0.0))
             changed = False
             for r, opts in enumerate(rows):
                 if len(opts) == 1:
                     continue
-                cq, ctree, ctok, cextra, cdraft = opts[pick[r]]
+                cq, ctree, ctok, cextra, cdraft, cver = opts[pick[r]]
                 q_base = q_tot - cq
                 t_base = n_tree - ctree
                 d_base = n_draft - cdraft
+                v_base = n_ver - cver
                 best, best_val = pick[r], None
-                for j, (oq, otree, otok, oextra, odraft) in enumerate(opts):
+                for j, (oq, otree, otok, oextra, odraft, over) in enumerate(opts):
                     sec = seconds(q_base + oq, t_base + otree, d_base + odraft)
+                    if v_base or over:
+                        sec += switch
                     val = otok - lam * (sec + oextra)
                     if best_val is None or val > best_val + 1e-12:
                         best, best_val = j, val
                 if best != pick[r]:
-                    nq, ntree, ntok, nextra, ndraft = opts[best]
+                    nq, ntree, ntok, nextra, ndraft, nver = opts[best]
                     q_tot += nq - cq
                     extra += nextra - cextra
                     tok += ntok - ctok
                     n_tree += ntree - ctree
                     n_draft += ndraft - cdraft
+                    n_ver += nver - cver
                     pick[r] = best
                     changed = True
             if not changed:
@@ -717,10 +748,11 @@ class Planner:
         if not explore:
             return chosen
         sec = seconds(sum(c.query for c in chosen), sum(c.kind == "tree" for c in chosen),
-                      sum(c.query > 1 for c in chosen)) + sum(c.extra_s for c in chosen)
+                      sum(c.query > 1 for c in chosen)) + sum(c.extra_s for c in chosen) \
+            + (switch if any(c.draft > 0 for c in chosen) else 0.0)
         self.planned_s += sec
         if not any(c.kind == "tree" for c in chosen):
-            self._explore(chosen, options, views, sec, seconds, max_tree_tokens)
+            self._explore(chosen, options, views, sec, seconds, max_tree_tokens, switch)
         return chosen
 
     def may_explore(self, batch: int, nodes: int) -> bool:
@@ -736,7 +768,8 @@ class Planner:
         return step <= credit and step <= self.EXPLORE_MAX_STEP * self.cost.predict(
             batch, 1.0, tree=False)
 
-    def _explore(self, chosen, options, views, sec, seconds, max_tree_tokens) -> None:
+    def _explore(self, chosen, options, views, sec, seconds, max_tree_tokens,
+                 switch: float = 0.0) -> None:
         """Give one request (in turn) that has not run a tree (or not for
         :attr:`EXPLORE_AFTER` steps) the tree predicted to lose least
         against the plan (time lost, at the plan's tokens per second), so
@@ -759,6 +792,7 @@ class Planner:
         q = sum(c.query for c in chosen)
         n_draft = sum(c.query > 1 for c in chosen)
         extra = sum(c.extra_s for c in chosen)
+        n_ver = sum(c.draft > 0 for c in chosen)
         for k in range(r_n):
             r = (self._turn + k) % r_n
             v = views[r]
@@ -775,6 +809,8 @@ class Planner:
                 s2 = seconds(q - cur.query + o.query, 1,
                              n_draft - (cur.query > 1) + (o.query > 1)) + extra - cur.extra_s \
                     + o.extra_s
+                if o.draft > 0 or n_ver - (cur.draft > 0) > 0:
+                    s2 += switch
                 if s2 > self.EXPLORE_MAX_STEP * plain:
                     continue
                 lost = (s2 - sec) - (o.tokens - cur.tokens) / rate

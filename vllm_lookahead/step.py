@@ -212,10 +212,12 @@ class StepDrafter:
             return [], None
         fixed = self.planner is None  # adaptive off: the full tree every step
         views = []
-        verify, measured, bonus = {}, {}, 0.0
+        verify, measured, bonus, switch = {}, {}, 0.0, {}
         if not fixed:
             batch = len(live) + max(others, 0)
             verify = {k: self.planner.verify_seen(batch, k) for k in (True, False)}
+            # what the step pays once where any request drafts
+            switch = {k: self.planner.switch(batch, k) for k in (True, False)}
             # the steps are booked less the verification as measured (the
             # plane learns what the steps undo of it: verify_seen)
             measured = {k: self.planner.verify(batch, k) for k in (True, False)}
@@ -230,6 +232,7 @@ class StepDrafter:
                 views.append(_request_view(r, token_ids, self.cfg.prompt_pool, self.trees,
                                            self.planner))
                 views[-1].verify = verify[r.state.sampled]
+                views[-1].switch = switch[r.state.sampled]
                 views[-1].lazy = self.planner.lazy_verify and r.state.sampled
                 views[-1].bonus = bonus
                 if weights is not None:
@@ -248,9 +251,15 @@ class StepDrafter:
                 self.planner.horizon = max(runs / st.catch_up_requests, 1.0)
             # requests whose lookup this step cannot pay, the others off,
             # are off without the planner's search (its cost grows with the
-            # batch; at 16 sequences most request-steps are off)
+            # batch; at 16 sequences most request-steps are off): those that
+            # cannot pay beside another drafting request; and all, where
+            # none of the others could pay as the step's only drafting one
+            # (the search moves one first: it pays the verifier's switch)
             kept = [j for j, (r, v) in enumerate(zip(live, views))
                     if not _cannot_pay(self.planner, r, v, batch)]
+            if kept and all(_cannot_pay(self.planner, live[j], views[j], batch, alone=True)
+                            for j in kept):
+                kept = []
             shapes = [OFF] * len(live)
             for j, sh in zip(kept, self.planner.plan([views[j] for j in kept],
                                                      self.cfg.max_tree_tokens,
@@ -268,9 +277,11 @@ class StepDrafter:
                     pair = measured[r.state.sampled]
                     p = v.draft_p(tree=sh.kind == "tree")
                     counted.append((pair, v.verify_s(sh.draft, p, pair)))
+            once = max((switch[r.state.sampled] for r, sh in zip(live, shapes) if sh.draft > 0),
+                       default=0.0)
             planned = (len(live), q, any(sh.kind == "tree" for sh in shapes),
                        sum(sh.query > 1 for sh in shapes),
-                       sum(seconds for _, seconds in counted),
+                       sum(seconds for _, seconds in counted) + once,
                        (min(f for (f, _), _ in counted), min(n for (_, n), _ in counted))
                        if counted else None)
         trees = []
@@ -463,8 +474,11 @@ class QuietBatches:
                 self._pays = {}
         b = len(live)
         calibration = self.prior.calibration
+        # a quiet step: no request could pay even as the step's only
+        # drafting one (which pays the verifier's switch); a request on
+        # its own: not even beside another drafting one
         quiet = not _pays(planner, self._pays, b, self._best,
-                          max(weights.values()) if weights else 1.0, calibration)
+                          max(weights.values()) if weights else 1.0, calibration, alone=True)
         keep = []
         for r in live:
             st = r.state
@@ -494,20 +508,20 @@ class QuietBatches:
 
 
 def _pays(planner, cache: dict, batch: int, best: BestCase, weight: float,
-          calibration: float = 1.0, key=None) -> bool:
+          calibration: float = 1.0, key=None, alone: bool = False) -> bool:
     """:meth:`Planner.any_pays` for ``best`` at ``weight`` and the engine's
-    ``calibration``; the bound's least paying weights
-    (:meth:`Planner.pay_weights`, which the calibration does not move) kept
-    in ``cache`` under ``key`` (None: the batch size) until the bound is
-    taken again."""
-    key = batch if key is None else key
+    ``calibration`` (``alone``: a draft pays the step's switch too,
+    :meth:`Planner.pay_weights`); the bound's least paying weights (which
+    the calibration does not move) kept in ``cache`` under ``key`` (None:
+    the batch size) and ``alone`` until the bound is taken again."""
+    key = (batch if key is None else key, alone)
     pair = cache.get(key)
     if pair is None:
-        pair = cache[key] = planner.pay_weights(batch, best)
+        pair = cache[key] = planner.pay_weights(batch, best, alone)
     return max(weight, 0.0) > least_weight(pair, calibration)
 
 
-def _cannot_pay(planner, r: Live, view: RequestView, batch: int) -> bool:
+def _cannot_pay(planner, r: Live, view: RequestView, batch: int, alone: bool = False) -> bool:
     """Whether request ``r`` (its lookup done, ``view`` as the planner sees
     it) can be left off this step without the planner's search: mature, not
     seeded, no checked chain, no exploration tree due, and no draft of its
@@ -515,7 +529,8 @@ def _cannot_pay(planner, r: Live, view: RequestView, batch: int) -> bool:
     scaled by the engine's calibration as the planner scales it) nor tree
     of its quiet bound (``QuietBatches``) would pay at its weight in a
     ``batch``-request step with the others off (:meth:`Planner.pay_weights`,
-    cached with the bound)."""
+    cached with the bound; ``alone``: the draft paying the step's switch,
+    as the only drafting request of the step does)."""
     st, acc = r.state, r.state.acc
     if view.fixed is not None or r.chain or acc.seen < QuietBatches.MATURE:
         return False
@@ -537,7 +552,8 @@ def _cannot_pay(planner, r: Live, view: RequestView, batch: int) -> bool:
     return not _pays(planner, st.quiet_pays, batch,
                      BestCase(p_unchecked=p, max_draft=max(k, 1), trees=trees,
                               sampled=st.sampled),
-                     view.weight, acc.prior.calibration, key=(batch, p, k, bool(trees)))
+                     view.weight, acc.prior.calibration, key=(batch, p, k, bool(trees)),
+                     alone=alone)
 
 
 def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,

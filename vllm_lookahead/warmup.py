@@ -46,8 +46,9 @@ CONTEXT = 256
 #: is measured again (2: the tiled read of vLLM's AMX cache, half the
 #: bfloat16 tree step on a CPU with AMX; 3: the verification timed with
 #: drafts that are accepted, so that a lazy verifier computes every row;
-#: 4: and a rejected one, for the bonus row a lazy verifier skips).
-STEP_REVISION = 4
+#: 4: and a rejected one, for the bonus row a lazy verifier skips; 5: and
+#: every request drafting, for what a step pays once where any drafts).
+STEP_REVISION = 5
 #: ``cost_model="off"``: relative cost of each extra query token.
 ASSUMED_PER_TOKEN = 0.1
 #: A timed run during which other processes kept more cores than this busy
@@ -95,12 +96,16 @@ def build_cost_model(setting: str, runner, worker, agree=None) -> CostModel:
     else:
         path = cache.save(key, curve)
     first, nxt = curve.verify_at(1, sampled=True)
+    top = max((b for table in curve.verify.values() for b in table), default=1)
     logger.info("Lookahead: step cost measured (%s), 1-token step %.1f ms, a sampled "
                 "draft's verification %.2f ms + %.2f ms per next token (%.2f ms of it "
-                "saved where the draft is rejected)%s",
+                "saved where the draft is rejected; at batch %d %.2f ms a drafting "
+                "request and %.2f ms a step with any)%s",
                 ", ".join(f"batch {b}: {len(p)} sizes" for b, p in curve.points.items()),
                 curve.predict(1, 1) * 1e3, first * 1e3, nxt * 1e3,
-                curve.bonus_at(1, sampled=True) * 1e3,
+                curve.bonus_at(1, sampled=True) * 1e3, top,
+                curve.verify_at(top, sampled=True)[0] * 1e3,
+                curve.switch_at(top, sampled=True) * 1e3,
                 f", cached in {path}" if path else "")
     return CostModel(curve, source="measured" if not loaded else "measured-under-load")
 
@@ -172,14 +177,17 @@ def measure_verify(runner, batches) -> dict:
     without drafts; vLLM's rejection sampler over no draft where async
     scheduling keeps it), and the rejection sampler with one request
     drafting one token and :data:`VERIFY_LONG` tokens, all accepted, and,
-    sampled, with every request drafting one token, all accepted and all rejected (a
-    verifier that samples bonus rows only where a draft was wholly
-    accepted, patch 15, skips the rejected ones'). Returns
-    :attr:`CostCurve.verify`: per kind and ``b``, ``(first, next, bonus)``
-    seconds, from the median of :data:`VERIFY_REPEATS` runs each
-    (``bonus``: a batch of ``b`` sampled one-token drafts all accepted over
-    all rejected, per request; 0 for greedy requests, whose bonus rows
-    patch 15 never skips).
+    every request drafting one token, all accepted, and, sampled, all
+    rejected (a verifier that samples bonus rows only where a draft was
+    wholly accepted, patch 15, skips the rejected ones'). Returns
+    :attr:`CostCurve.verify`: per kind and ``b``, ``(first, next, bonus,
+    switch)`` seconds, from the median of :data:`VERIFY_REPEATS` runs each
+    (``first``: what each drafting request adds, the batch of ``b``
+    one-token drafts over the one, per further request, at most what the
+    one added over the plain sampler; ``switch``: the rest of that, which
+    the step pays once; 0 at batch 1; ``bonus``: a batch of ``b`` sampled
+    one-token drafts all accepted over all rejected, per request; 0 for
+    greedy requests, whose bonus rows patch 15 never skips).
 
     The logits are synthetic and peaked (a handful of tokens hold nearly all
     the mass, as a language model's next token mostly does), so top-p keeps
@@ -273,19 +281,25 @@ def _measure_verify(runner, batches) -> dict:
                 one, long = spec([1] + [0] * (b - 1)), spec([VERIFY_LONG] + [0] * (b - 1))
                 first = timed(lambda y: verifier(one, None, y, meta), b + 1)
                 last = timed(lambda y: verifier(long, None, y, meta), b + VERIFY_LONG)
+                # every request drafting one token, accepted: what each
+                # drafting request adds past the first, whose step pays the
+                # rejection sampler over the plain one once (the switch)
+                hit = spec([1] * b)
+                accepted = timed(lambda y: verifier(hit, None, y, meta), 2 * b)
+                each = max(accepted - first, 0.0) / (b - 1) if b > 1 else None
                 bonus = 0.0  # greedy batches' bonus rows are never skipped
                 if sampled:
-                    # every request drafting one token, accepted, and one
-                    # the peaked rows give no mass to, rejected: the bonus
-                    # rows a lazy verifier skips, per request (the sampler's
-                    # threads split a batch's rows: one row more may cost
-                    # nothing, or a whole row's time)
-                    hit, miss = spec([1] * b), spec([1] * b, token=vocab - 1)
-                    accepted = timed(lambda y: verifier(hit, None, y, meta), 2 * b)
+                    # and one the peaked rows give no mass to, rejected: the
+                    # bonus rows a lazy verifier skips, per request (the
+                    # sampler's threads split a batch's rows: one row more
+                    # may cost nothing, or a whole row's time)
+                    miss = spec([1] * b, token=vocab - 1)
                     rejected = timed(lambda y: verifier(miss, None, y, meta), 2 * b)
                     bonus = max(accepted - rejected, 0.0) / b
-                table[b] = (max(first - plain, 0.0),
-                            max(last - first, 0.0) / (VERIFY_LONG - 1), bonus)
+                one_first = max(first - plain, 0.0)
+                own = one_first if each is None else min(each, one_first)
+                table[b] = (own, max(last - first, 0.0) / (VERIFY_LONG - 1), bonus,
+                            one_first - own)
             out[kind] = table
     return out
 
