@@ -144,12 +144,6 @@ class LookaheadProposer:
             from vllm_lookahead import cpu_sampling
 
             self.step.planner.lazy_verify = cpu_sampling.LAZY_VERIFY
-            if self.cfg.parent_latency or self.cfg.batch_end:
-                # numba compiles (or loads from its cache) the kernel of
-                # the samples' weights now, not in the first step
-                from vllm_lookahead.siblings import end_shares_many
-
-                end_shares_many([([2, 2], [(0.5, 1), (0.5, 1)])])
 
     def on_update_states(self, scheduler_output) -> None:
         """Free finished/aborted requests; forget preempted ones that resume

@@ -7,7 +7,7 @@ the sample's batch slot a step earlier. Planning every sample as a request
 of its own overvalues its drafts: sixteen tied samples that each draft now
 and then spread apart, and the parent ends with the one that gained least.
 
-Model (numpy and one numba-jitted kernel, no vLLM; unit-tested): sample ``i`` with ``r_i`` tokens left
+Model (numpy, no vLLM; unit-tested): sample ``i`` with ``r_i`` tokens left
 to its ``max_tokens`` and a typical draft of ``K_i`` tokens each accepted
 with probability ``p_i`` (accepted ``A_i``, truncated geometric: mean
 ``mu_i``, variance ``v_i`` a step) needs ``S_i`` more steps, normal with
@@ -26,14 +26,22 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
 
 #: Smallest spread of a sample's steps to its end (steps): a sample a whole
 #: token behind another ends after it; tied samples end together.
 SPREAD_FLOOR = 0.3
 #: Most grid points of the integral.
 _MAX_POINTS = 1024
-_SQRT_HALF = math.sqrt(0.5)
+
+
+def _ndtr(x: np.ndarray) -> np.ndarray:
+    """Standard normal CDF (Abramowitz and Stegun 7.1.26, error < 2e-7)."""
+    z = np.abs(x) / math.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * z)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741
+                + t * (-1.453152027 + t * 1.061405429))))
+    erf = 1.0 - poly * np.exp(-z * z)
+    return 0.5 * (1.0 + np.where(x >= 0, erf, -erf))
 
 
 def accepted_pmf(p: float, k: int) -> np.ndarray:
@@ -61,131 +69,98 @@ def end_shares(remaining: list[int], draws: list[tuple[float, int]]) -> list[flo
 
 def end_shares_many(parents: list[tuple[list[int], list[tuple[float, int]]]]) -> list[list[float]]:
     """:func:`end_shares` of several parents, ``[(remaining, draws)]``, in
-    one call of the jitted :func:`_end_shares_kernel` (the proposer runs
-    this every step; each parent keeps its own grid)."""
-    starts = np.zeros(len(parents) + 1, dtype=np.int64)
-    np.cumsum([len(rem) for rem, _ in parents], out=starts[1:])
-    n = int(starts[-1])
-    r = np.empty(n)
-    p = np.empty(n)
-    k = np.empty(n, dtype=np.int64)
-    i = 0
-    for rem, draws in parents:
-        for left, (pi, ki) in zip(rem, draws):
-            r[i], p[i], k[i] = left, pi, ki
-            i += 1
-    out = np.zeros(n)
-    if n:
-        _end_shares_kernel(r, p, k, starts, out)
-    flat = out.tolist()
-    return [flat[starts[j]: starts[j + 1]] for j in range(len(parents))]
-
-
-@njit(cache=True, nogil=True)
-def _end_shares_kernel(r, p, k, starts, out):  # pragma: no cover - jitted
-    """The shares of every parent (module docstring), into ``out``.
-
-    Args:
-        r: float [S] tokens each sample has left (all parents' samples in
-            a row); p: float [S] its per-token acceptance; k: int [S] its
-            typical draft's length.
-        starts: int [P + 1] where each parent's samples start in them.
-        out: float [S] each sample's share.
-
-    Per parent a grid over the end steps (a third of the narrowest spread
-    that can be last, :data:`_MAX_POINTS` at most); the parent's expected
-    end moved by sample u gaining a tokens is the integral of
-    ``prod_{v != u} F_v(x) * (F_u(x + a / (1 + mu_u)) - F_u(x))``, the
-    normal CDFs floored at 1e-300.
-    """
-    n_all = r.size
-    k_max = 1
-    for i in range(n_all):
-        k_max = max(k_max, k[i])
-    pmf = np.zeros((n_all, k_max + 1))
-    mu = np.zeros(n_all)
-    mean = np.zeros(n_all)
-    sd = np.zeros(n_all)
-    for i in range(n_all):
-        pi = min(max(p[i], 0.0), 1.0)
-        ki = max(k[i], 1)
-        m1 = 0.0
-        m2 = 0.0
-        for a in range(ki + 1):
-            # P(A = a): p^a (1 - p) below K, p^K at K
-            f = pi ** a if a == ki else pi ** a * (1.0 - pi)
-            pmf[i, a] = f
-            m1 += a * f
-            m2 += a * a * f
-        mu[i] = m1
-        ri = max(r[i], 0.0)
-        mean[i] = ri / (1.0 + m1)
-        sd[i] = math.sqrt(max(ri * (m2 - m1 * m1) / (1.0 + m1) ** 3, 0.0) + SPREAD_FLOOR ** 2)
-    for q in range(starts.size - 1):
-        s0, s1 = starts[q], starts[q + 1]
-        if s1 - s0 == 0:
-            continue
-        if s1 - s0 == 1:
-            out[s0] = 1.0
-            continue
-        # Below lo some sample surely has not ended: the max is above it
-        # with or without a shift; a sample that surely ends before lo is
-        # never last.
-        lo = -np.inf
-        hi = -np.inf
-        reach = -np.inf
-        for i in range(s0, s1):
-            lo = max(lo, mean[i] - 4.0 * sd[i])
-            hi = max(hi, mean[i] + 4.0 * sd[i])
-            reach = max(reach, max(k[i], 1) / (1.0 + mu[i]))
-        hi += reach
-        step = np.inf
-        for i in range(s0, s1):
-            if mean[i] + 4.0 * sd[i] >= lo:
-                step = min(step, sd[i])
-        points = int(min(max((hi - lo) / (step / 3.0), 16.0), float(_MAX_POINTS)))
-        h = (hi - lo) / points
-        x = np.empty(points + 1)
-        for c in range(points):
-            x[c] = c * h + lo
-        x[points] = hi
-        dx = x[1] - x[0]
-        cdf = np.empty((s1 - s0, points + 1))
-        log_all = np.zeros(points + 1)  # log P(every sample ended by x)
-        for j in range(s1 - s0):
-            i = s0 + j
-            for c in range(points + 1):
-                f = max(_ndtr((x[c] - mean[i]) / sd[i]), 1e-300)
-                cdf[j, c] = f
-                log_all[c] += math.log(f)
-        for j in range(s1 - s0):
-            i = s0 + j
-            out[i] = 0.0
-            if mean[i] + 4.0 * sd[i] < lo:
-                continue
-            others = np.empty(points + 1)
-            for c in range(points + 1):
-                others[c] = math.exp(log_all[c] - math.log(cdf[j, c]))
-            steps = 0.0  # parent steps sooner, by the gain's pmf
-            first = 0.0
-            for a in range(1, max(k[i], 1) + 1):
-                shift = a / (1.0 + mu[i])
-                mass = 0.0
-                for c in range(points + 1):
-                    moved = max(_ndtr((x[c] + shift - mean[i]) / sd[i]), 1e-300)
-                    mass += others[c] * (moved - cdf[j, c])
-                if a == 1:
-                    first = mass
-                steps += pmf[i, a] * mass
-            steps *= dx
-            expect = mu[i]
-            if expect <= 0.0:  # a draft that never hits: value one token
-                steps = first * dx
-                expect = 1.0
-            out[i] = min(max(steps * (1.0 + mu[i]) / expect, 0.0), 1.0)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _ndtr(x):  # pragma: no cover - jitted
-    """Standard normal CDF."""
-    return 0.5 * math.erfc(-x * _SQRT_HALF)
+    one pass: the same numbers, with the numpy calls shared (the proposer
+    runs this every step, on arrays of a few hundred floats a parent, where
+    each call's overhead is most of its cost). Each parent keeps its own
+    grid; the parents' arrays are padded to the largest and the padding
+    masked out."""
+    out: list = [None] * len(parents)
+    todo = []
+    for j, (remaining, draws) in enumerate(parents):
+        if len(remaining) == 0:
+            out[j] = []
+        elif len(remaining) == 1:
+            out[j] = [1.0]
+        else:
+            todo.append(j)
+    if not todo:
+        return out
+    # Samples alike in (r, p to 2 decimals, K) are computed once.
+    index, uniq = [], []
+    for j in todo:
+        remaining, draws = parents[j]
+        keys: dict = {}
+        index.append([keys.setdefault((int(r), round(float(p), 2), max(int(k), 1)), len(keys))
+                      for r, (p, k) in zip(remaining, draws)])
+        uniq.append(list(keys))
+    n_p, n_u = len(todo), max(len(u) for u in uniq)
+    arr = np.zeros((n_p, n_u, 3))  # r, p, K; padding: r 0, p 0, K 1
+    arr[:, :, 2] = 1.0
+    real = np.zeros((n_p, n_u), dtype=bool)
+    counts = np.zeros((n_p, n_u))
+    for q, (keys, idx) in enumerate(zip(uniq, index)):
+        arr[q, : len(keys)] = keys
+        real[q, : len(keys)] = True
+        counts[q, : len(keys)] = np.bincount(np.asarray(idx), minlength=len(keys))
+    r = np.maximum(arr[:, :, 0], 0.0)
+    p = np.minimum(np.maximum(arr[:, :, 1], 0.0), 1.0)
+    k = arr[:, :, 2].astype(np.int64)
+    k_max = int(k.max())
+    a = np.arange(k_max + 1, dtype=np.float64)
+    # P(A = a): p^a (1 - p) below K, p^K at K, 0 past K  [P, U, k_max + 1]
+    pmf = p[..., None] ** a * (1.0 - p[..., None])
+    pmf[a > k[..., None]] = 0.0
+    np.put_along_axis(pmf, k[..., None], (p ** k)[..., None], axis=2)
+    mu = np.einsum("pua,a->pu", pmf, a)
+    var = np.einsum("pua,a->pu", pmf, a * a) - mu * mu
+    mean = r / (1.0 + mu)
+    sd = np.sqrt(np.maximum(r * var / (1.0 + mu) ** 3, 0.0) + SPREAD_FLOOR ** 2)
+    # Below lo some sample surely has not ended: the max is above it with
+    # or without a shift (equal parts of both integrals); a sample that
+    # surely ends before lo is never last.
+    lo = np.where(real, mean - 4.0 * sd, -np.inf).max(axis=1)  # [P]
+    near = real & (mean + 4.0 * sd >= lo[:, None])
+    hi = (np.where(real, mean + 4.0 * sd, -np.inf).max(axis=1)
+          + np.where(real, k / (1.0 + mu), -np.inf).max(axis=1))
+    step = np.where(near, sd, np.inf).min(axis=1) / 3.0  # a third of the narrowest spread that counts
+    points = np.minimum(np.maximum((hi - lo) / step, 16), _MAX_POINTS).astype(np.int64)
+    width = int(points.max()) + 1
+    # np.linspace(lo, hi, points + 1) of each parent, as it computes it;
+    # past a parent's last point, its last point again (masked out)
+    col = np.arange(width, dtype=np.float64)
+    x = col[None, :] * ((hi - lo) / points)[:, None] + lo[:, None]
+    inside = col[None, :] <= points[:, None]
+    x = np.where(col[None, :] >= points[:, None], hi[:, None], x)
+    dx = x[:, 1] - x[:, 0]
+    sel_p, sel_u = np.nonzero(near)
+    # sample u gaining a tokens ends a / (1 + mu) steps sooner  [R, k_max, X]
+    shift = a[None, 1:, None] / (1.0 + mu[sel_p, sel_u, None, None])
+    # the normal CDFs of every sample on its parent's grid [P, U, X] and of
+    # the near ones shifted [R, k_max, X], in one call (padding: mean 0, sd 1)
+    m_all, s_all = np.where(real, mean, 0.0), np.where(real, sd, 1.0)
+    z = np.concatenate((((x[:, None, :] - m_all[..., None]) / s_all[..., None]).ravel(),
+                        ((x[sel_p, None, :] + shift - mean[sel_p, sel_u, None, None])
+                         / sd[sel_p, sel_u, None, None]).ravel()))
+    log_cdf = np.log(np.maximum(_ndtr(z), 1e-300))
+    cut = n_p * n_u * width
+    log_f = log_cdf[:cut].reshape(n_p, n_u, width)
+    moved = log_cdf[cut:].reshape(sel_p.size, k_max, width)
+    total = np.einsum("pu,pux->px", counts, log_f)  # log P(every sample ended by x)  [P, X]
+    shares = np.zeros((n_p, n_u))
+    if sel_p.size:
+        diff = (np.exp((total[sel_p] - log_f[sel_p, sel_u])[:, None, :] + moved)
+                - np.exp(total[sel_p])[:, None, :])
+        diff *= inside[sel_p][:, None, :]
+        mass = diff.sum(axis=2)  # [R, k_max]
+        steps = np.einsum("ra,ra->r", pmf[sel_p, sel_u, 1:], mass) * dx[sel_p]  # parent steps sooner
+        expect = mu[sel_p, sel_u]
+        never = expect <= 0
+        if never.any():  # a draft that never hits: value one token
+            steps = np.where(never, mass[:, 0] * dx[sel_p], steps)
+            expect = np.where(never, 1.0, expect)
+        shares[sel_p, sel_u] = np.minimum(
+            np.maximum(steps * (1.0 + mu[sel_p, sel_u]) / expect, 0.0), 1.0)
+    for q, j in enumerate(todo):
+        row = shares[q].tolist()
+        out[j] = [row[u] for u in index[q]]
+    return out
