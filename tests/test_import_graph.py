@@ -129,3 +129,21 @@ def test_finds_a_cycle_through_a_function_level_import(tmp_path):
     assert graph["pkg.b"] == {"pkg.sub.c"}
     assert graph["pkg.sub.c"] == {"pkg.a"}
     assert find_cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c"]]
+
+
+def test_no_module_imports_numba():
+    """vLLM 0.32's CPU worker start-up (``register_triton_kernel_overrides``)
+    scans every loaded module and fails on llvmlite's library object once
+    numba is imported: a second engine in the process could not start
+    (a numba-jitted kernel tried here broke the end-to-end tests). No
+    module of the package may import numba or llvmlite, at any level."""
+    modules = module_names()
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            assert not any(n.split(".")[0] in ("numba", "llvmlite") for n in names), module
