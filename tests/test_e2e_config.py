@@ -97,12 +97,14 @@ def test_llm_runs_lookahead_on_tiny_model(tiny_model_path):
         assert st["cost_model"]["curve_ms"]["1"][0][0] == 1
         # vLLM's verifier timed with it, per kind of request and batch size:
         # (first draft token, each next one, the bonus row a rejected draft
-        # saves) (a cached curve holds it too: a cache without it is
-        # measured anew)
+        # saves, what a step pays once where any request drafts: 0 at batch
+        # 1) (a cached curve holds it too: a cache without it is measured
+        # anew)
         verify = st["cost_model"]["verify_ms"]
         assert set(verify) == {"sampled", "greedy"}
         for table in verify.values():
-            assert "1" in table and all(len(v) == 3 and min(v) >= 0 for v in table.values())
+            assert "1" in table and all(len(v) == 4 and min(v) >= 0 for v in table.values())
+            assert table["1"][3] == 0.0
         # top-p over the vocabulary and the recovered tokens' noise cost more
         # than an argmax
         assert verify["sampled"]["1"][0] > verify["greedy"]["1"][0]
