@@ -532,7 +532,8 @@ class CostModel:
             "curve_ms": {str(b): [[t, round(s * 1e3, 3)] for t, s in pts]
                          for b, pts in self.curve.points.items()},
             # per kind and batch: [first draft token, each next one, the
-            # bonus row a rejected draft saves]
+            # bonus row a rejected draft saves, what a step pays once where
+            # any request drafts]
             "verify_ms": {kind: {str(b): [round(x * 1e3, 3) for x in pair]
                                  for b, pair in table.items()}
                           for kind, table in self.curve.verify.items()},
