@@ -444,8 +444,9 @@ class QuietBatches:
         #: the engine's ``prompt_pool`` (which lookup kinds can occur)
         self.prompt_pool = prompt_pool
         #: The bound of the batch's requests (taken at the last full step),
-        #: steps since, and by batch size the least weight at which a draft
-        #: could pay for the bound (``Planner.pay_weight``).
+        #: steps since, and by batch size (and ``alone``) the least weights
+        #: at which a draft or a tree could pay for the bound
+        #: (``Planner.pay_weights``).
         self._best: BestCase | None = None
         self._since_full = 0
         self._pays: dict[int, float] = {}
