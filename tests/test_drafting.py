@@ -707,6 +707,53 @@ def test_a_closed_batch_is_planned_for_its_end():
     assert step._weights(live, 3, closed=True) == (None, set())
 
 
+def test_a_steps_weights_are_held_while_the_batch_keeps_its_requests():
+    """The samples' weights (the end-share integral, the proposer's
+    costliest numpy) are taken once every ``WEIGHTS_EVERY`` steps while the
+    batch keeps its requests and size, and again at once where a request
+    leaves or joins, the batch size moves or ``closed`` flips; held, they
+    are the weights last taken, by request, whatever its row."""
+    step, stats, prior, text, tokens = _planned_step(0.9, 0.001, rows=3, parent_latency=True)
+    live = []
+    for i, generated in enumerate((1, 9, 2)):
+        s = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
+                      tokens[i], len(text), len(text) - generated, 16, False, 0, prior)
+        s.group = "p" if i < 2 else None
+        live.append(Live(i, s, len(text), 3, []))
+    taken = []
+    orig = step._weights
+
+    def counted(*args, **kwargs):
+        taken.append(1)
+        return orig(*args, **kwargs)
+
+    step._weights = counted
+    first = step._step_weights(live, 3, False)
+    assert len(taken) == 1 and first == orig(live, 3)
+    # the laggard catches up: held, its old weight stands
+    live[0].state.num_prompt_tokens -= 8
+    for _ in range(step.WEIGHTS_EVERY - 1):
+        assert step._step_weights(live, 3, False) == first
+    assert len(taken) == 1
+    fresh = step._step_weights(live, 3, False)  # the WEIGHTS_EVERY-th: taken again
+    assert len(taken) == 2 and fresh == orig(live, 3) and fresh[0][0] < first[0][0]
+    # rows reordered (vLLM condenses its batch): each keeps its own weight
+    moved = [Live(2 - r.i, r.state, r.n_tok, r.room, []) for r in live]
+    w, planned = step._step_weights(moved, 3, False)
+    assert len(taken) == 2
+    assert w == {2 - i: x for i, x in fresh[0].items()} and planned == {2 - i for i in fresh[1]}
+    # a request leaves, the size moves, or closed flips: taken at once
+    step._step_weights(live[:2], 3, False)
+    step._step_weights(live[:2], 2, False)
+    step._step_weights(live[:2], 2, True)
+    assert len(taken) == 5
+    # a new request in a dead one's place (same length) is not held over
+    other = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
+                      tokens[1], len(text), len(text) - 9, 16, False, 0, prior)
+    step._step_weights([live[0], Live(1, other, len(text), 3, [])], 2, True)
+    assert len(taken) == 6
+
+
 def test_a_step_prices_the_bonus_rows_only_where_every_request_allows_them():
     """A sampled request's poor guess is drafted where a rejected draft
     saves its bonus row (patch 15's lazy_bonus), and only when every
