@@ -273,32 +273,3 @@ def test_lazy_verification_keeps_the_distribution():
     tv = 0.5 * sum(abs(freq[0].get(k, 0) - freq[1].get(k, 0)) for k in keys) / total
     assert len(keys) > 4
     assert tv < 0.03, (tv, freq)
-
-
-def test_temperature_rows_are_vllms_expansion():
-    """The draft rows' temperature, top-k and top-p (patch 15's
-    ``apply_sampling_constraints``) as vLLM's ``expand_batch_to_tokens``
-    gives them (its CPU kernel as the plugin fixes it), and the logits
-    divided by the very same values: bit for bit."""
-    from vllm_lookahead.cpu_sampling import temperature_rows
-    from vllm_lookahead.patches import expand_kernel_impl
-
-    def expand(x, cu, n, replace_from=0, replace_to=0):
-        out = x.new_empty(n)
-        expand_kernel_impl(out, x, cu, replace_from, replace_to)
-        return out
-
-    g = torch.Generator().manual_seed(4)
-    cu = torch.tensor([2, 2, 5, 6], dtype=torch.int32)  # request 1 drafts nothing
-    temperature = torch.tensor([0.7, 0.3, 0.0, 1.3])  # request 2 greedy (0 -> 1)
-    top_k = torch.tensor([5, 9, VOCAB, 40], dtype=torch.int32)
-    top_p = torch.tensor([0.9, 0.5, 1.0, 0.95])
-    logits = torch.randn(6, 300, generator=g) * 4
-    want = logits.clone().div_(expand(temperature, cu, 6, 0, 1).unsqueeze(-1))
-    got, k, p = temperature_rows(logits.clone(), cu, temperature, top_k, top_p, 0)
-    assert torch.equal(got, want)
-    assert torch.equal(k, expand(top_k, cu, 6)) and k.dtype == top_k.dtype
-    assert torch.equal(p, expand(top_p, cu, 6))
-    assert torch.equal(p, torch.tensor([0.9, 0.9, 1.0, 1.0, 1.0, 0.95]))
-    _, k, p = temperature_rows(logits.clone(), cu, temperature, None, top_p)
-    assert k is None and p is not None

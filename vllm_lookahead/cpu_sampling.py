@@ -55,7 +55,6 @@ on CUDA vLLM's top-p and noise run in Triton kernels).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -90,29 +89,6 @@ class TopPCounts:
 COUNTS = TopPCounts()
 
 
-def temperature_rows(logits: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
-                     temperature: torch.Tensor, top_k: torch.Tensor | None,
-                     top_p: torch.Tensor | None, greedy_temperature: float = 0.0):
-    """vLLM's ``apply_sampling_constraints`` up to top-k/top-p: ``logits``
-    ``[num_tokens, vocab]`` (the draft rows, request by request) divided in
-    place by their request's temperature (``greedy_temperature`` read as
-    1), and ``top_k`` / ``top_p`` ``[batch]`` (or None) expanded to the rows,
-    as vLLM's ``expand_batch_to_tokens`` expands them (the same values,
-    so the same quotients): one row-to-request index and three gathers
-    where vLLM expands each through its own kernel.
-
-    Returns ``(logits, top_k rows, top_p rows)``."""
-    cu = cu_num_draft_tokens.to(torch.long)
-    counts = torch.diff(cu, prepend=cu.new_zeros(1))
-    req = torch.repeat_interleave(torch.arange(cu.numel(), device=cu.device), counts)
-    temp = torch.where(temperature == greedy_temperature,
-                       torch.ones((), dtype=temperature.dtype, device=temperature.device),
-                       temperature)
-    logits.div_(temp[req].unsqueeze(-1))
-    return (logits, None if top_k is None else top_k[req],
-            None if top_p is None else top_p[req])
-
-
 def top_k_top_p_rows(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor,
                      fallback, counts: TopPCounts | None = None, window: int = WINDOW,
                      margin: float = MARGIN) -> torch.Tensor:
@@ -129,8 +105,6 @@ def top_k_top_p_rows(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tens
         return logits
     w = min(window, vocab)
     top, _ = logits.topk(w, dim=-1)  # [rows, w], descending
-    if k is None:
-        return _top_p_rows(logits, top, p, fallback, counts, margin)
     idx = torch.arange(rows, device=logits.device)
     ok = p < 1
     masked = logits
@@ -173,56 +147,6 @@ def top_k_top_p_rows(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tens
     if counts is not None:
         counts.fallback_rows += int(rest.numel())
     logits[rest] = fallback(logits[rest], None if k is None else k[rest], p[rest])
-    return logits
-
-
-def _top_p_rows(logits: torch.Tensor, top: torch.Tensor, p: torch.Tensor, fallback,
-                counts: TopPCounts | None, margin: float) -> torch.Tensor:
-    """:func:`top_k_top_p_rows` without a top-k, its window ``top``
-    ``[rows, w]`` taken: the same rule and checks, each row's nucleus
-    walked in Python (a few tokens: a sampled row's nucleus ends within
-    its first few) where the general path spends some thirty tensor calls
-    on a few rows; the row's mass (its float32 exponentials from the
-    largest logit) summed as there."""
-    rows, w = top.shape
-    sums = torch.exp(logits - top[:, :1]).sum(dim=-1).tolist()
-    tops, ps = top.tolist(), p.tolist()
-    cuts, bad = [], []
-    for r in range(rows):
-        row, pr, total = tops[r], ps[r], sums[r]
-        if not (0.0 < pr < 1.0 and total > 0.0 and math.isfinite(total)
-                and math.isfinite(row[0])):
-            bad.append(r)
-            cuts.append(float("-inf"))
-            continue
-        lse = row[0] + math.log(total)
-        above = prev = 0.0  # the mass ranked above token j, and above token j - 1
-        j = 0
-        while j < w and above < pr:
-            prev = above
-            above += math.exp(row[j] - lse)
-            j += 1
-        # m = j kept; the cut inside the window, both sides clear of p,
-        # no tie across it
-        if (j >= w or above < pr or pr - prev <= margin or above - pr <= margin
-                or not row[j] < row[j - 1]):
-            bad.append(r)
-            cuts.append(float("-inf"))
-            continue
-        cuts.append(row[j - 1])
-    cut = torch.tensor(cuts, dtype=logits.dtype, device=logits.device).unsqueeze(1)
-    if not bad:
-        return logits.masked_fill_(logits < cut, float("-inf"))
-    skip = set(bad)
-    fine = [r for r in range(rows) if r not in skip]
-    if fine:
-        idx = torch.tensor(fine, dtype=torch.long, device=logits.device)
-        sub = logits[idx]
-        logits[idx] = sub.masked_fill_(sub < cut[idx], float("-inf"))
-    rest = torch.tensor(bad, dtype=torch.long, device=logits.device)
-    if counts is not None:
-        counts.fallback_rows += len(bad)
-    logits[rest] = fallback(logits[rest], None, p[rest])
     return logits
 
 

@@ -589,6 +589,8 @@ def _cheap_cpu_verification() -> None:
 
     if not current_platform.is_cpu():
         return
+    from dataclasses import replace
+
     import torch
     from vllm.v1.sample import rejection_sampler as rs
 
@@ -596,7 +598,6 @@ def _cheap_cpu_verification() -> None:
     from vllm_lookahead.cpu_sampling import (
         COUNTS,
         recovered_inv_q,
-        temperature_rows,
         top_k_top_p_rows,
         verify_sampled_rows,
     )
@@ -632,13 +633,15 @@ def _cheap_cpu_verification() -> None:
         sm = sampling_metadata
         deferred.clear()
         if (sm.all_greedy or sm.max_num_logprobs is not None or logits.device.type != "cpu"
-                or (sm.top_k is None and sm.top_p is None) or cu_num_draft_tokens.numel() == 0
-                or int(cu_num_draft_tokens[-1]) != logits.shape[0]):
+                or (sm.top_k is None and sm.top_p is None)):
             return orig_constraints(logits, cu_num_draft_tokens, sm)
-        # vLLM's temperature, in place (its expanded values, one gather for
-        # the three); top-k/top-p left for rejection_sample
-        logits, top_k, top_p = temperature_rows(logits, cu_num_draft_tokens, sm.temperature,
-                                                sm.top_k, sm.top_p, rs.GREEDY_TEMPERATURE)
+        # vLLM's temperature, in place; top-k/top-p left for rejection_sample
+        logits = orig_constraints(logits, cu_num_draft_tokens, replace(sm, top_k=None, top_p=None))
+        num_tokens = logits.shape[0]
+        top_k = None if sm.top_k is None else rs.expand_batch_to_tokens(
+            sm.top_k, cu_num_draft_tokens, num_tokens)
+        top_p = None if sm.top_p is None else rs.expand_batch_to_tokens(
+            sm.top_p, cu_num_draft_tokens, num_tokens)
         deferred["rows"] = (logits, top_k, top_p)
         return logits
 

@@ -47,9 +47,8 @@ CONTEXT = 256
 #: bfloat16 tree step on a CPU with AMX; 3: the verification timed with
 #: drafts that are accepted, so that a lazy verifier computes every row;
 #: 4: and a rejected one, for the bonus row a lazy verifier skips; 5: and
-#: every request drafting, for what a step pays once where any drafts;
-#: 6: the CPU verifier's draft rows with fewer tensor calls, patch 15).
-STEP_REVISION = 6
+#: every request drafting, for what a step pays once where any drafts).
+STEP_REVISION = 5
 #: ``cost_model="off"``: relative cost of each extra query token.
 ASSUMED_PER_TOKEN = 0.1
 #: A timed run during which other processes kept more cores than this busy
