@@ -707,19 +707,26 @@ def test_a_closed_batch_is_planned_for_its_end():
     assert step._weights(live, 3, closed=True) == (None, set())
 
 
-def test_a_steps_weights_are_held_while_the_batch_keeps_its_requests():
+def test_a_steps_weights_are_held_while_the_samples_move_in_step():
     """The samples' weights (the end-share integral, the proposer's
     costliest numpy) are taken once every ``WEIGHTS_EVERY`` steps while the
-    batch keeps its requests and size, and again at once where a request
-    leaves or joins, the batch size moves or ``closed`` flips; held, they
-    are the weights last taken, by request, whatever its row."""
+    batch keeps its requests and size and every request gains one token a
+    step; again at once where a request gains more (an accepted draft moves
+    it against its siblings), leaves or joins, the batch size moves or
+    ``closed`` flips. Held, they are the weights last taken, by request,
+    whatever its row."""
     step, stats, prior, text, tokens = _planned_step(0.9, 0.001, rows=3, parent_latency=True)
-    live = []
+    states = []
     for i, generated in enumerate((1, 9, 2)):
         s = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
                       tokens[i], len(text), len(text) - generated, 16, False, 0, prior)
         s.group = "p" if i < 2 else None
-        live.append(Live(i, s, len(text), 3, []))
+        states.append(s)
+
+    def at(steps, extra=(0, 0, 0), rows=(0, 1, 2)):
+        return [Live(rows[i], s, len(text) + steps + extra[i], 3, [])
+                for i, s in enumerate(states)]
+
     taken = []
     orig = step._weights
 
@@ -728,30 +735,33 @@ def test_a_steps_weights_are_held_while_the_batch_keeps_its_requests():
         return orig(*args, **kwargs)
 
     step._weights = counted
-    first = step._step_weights(live, 3, False)
-    assert len(taken) == 1 and first == orig(live, 3)
-    # the laggard catches up: held, its old weight stands
-    live[0].state.num_prompt_tokens -= 8
-    for _ in range(step.WEIGHTS_EVERY - 1):
-        assert step._step_weights(live, 3, False) == first
+    first = step._step_weights(at(0), 3, False)
+    assert len(taken) == 1 and first == orig(at(0), 3)
+    for t in range(1, step.WEIGHTS_EVERY):  # one token a step each: held
+        assert step._step_weights(at(t), 3, False) == first
     assert len(taken) == 1
-    fresh = step._step_weights(live, 3, False)  # the WEIGHTS_EVERY-th: taken again
-    assert len(taken) == 2 and fresh == orig(live, 3) and fresh[0][0] < first[0][0]
-    # rows reordered (vLLM condenses its batch): each keeps its own weight
-    moved = [Live(2 - r.i, r.state, r.n_tok, r.room, []) for r in live]
-    w, planned = step._step_weights(moved, 3, False)
-    assert len(taken) == 2
-    assert w == {2 - i: x for i, x in fresh[0].items()} and planned == {2 - i for i in fresh[1]}
+    t = step.WEIGHTS_EVERY  # old enough: taken again
+    again = step._step_weights(at(t), 3, False)
+    assert len(taken) == 2 and again == orig(at(t), 3)
+    # the laggard accepts 6 draft tokens: its weight falls at once
+    moved = step._step_weights(at(t + 1, extra=(6, 0, 0)), 3, False)
+    assert len(taken) == 3 and moved[0][0] < again[0][0] - 0.5
+    # rows reordered (vLLM condenses its batch), in step: each keeps its own
+    w, planned = step._step_weights(at(t + 2, extra=(6, 0, 0), rows=(2, 1, 0)), 3, False)
+    assert len(taken) == 3
+    assert w == {2 - i: x for i, x in moved[0].items()} and planned == {2 - i for i in moved[1]}
     # a request leaves, the size moves, or closed flips: taken at once
-    step._step_weights(live[:2], 3, False)
-    step._step_weights(live[:2], 2, False)
-    step._step_weights(live[:2], 2, True)
-    assert len(taken) == 5
-    # a new request in a dead one's place (same length) is not held over
+    two = at(t + 3, extra=(6, 0, 0))[:2]
+    step._step_weights(two, 3, False)
+    step._step_weights(two, 2, False)
+    step._step_weights(two, 2, True)
+    assert len(taken) == 6
+    # a new request in a finished one's place (same count, in step) is not held over
     other = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
                       tokens[1], len(text), len(text) - 9, 16, False, 0, prior)
-    step._step_weights([live[0], Live(1, other, len(text), 3, [])], 2, True)
-    assert len(taken) == 6
+    step._step_weights([Live(0, two[0].state, two[0].n_tok + 1, 3, []),
+                        Live(1, other, two[1].n_tok + 1, 3, [])], 2, True)
+    assert len(taken) == 7
 
 
 def test_a_step_prices_the_bonus_rows_only_where_every_request_allows_them():

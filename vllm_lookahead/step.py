@@ -107,10 +107,11 @@ class StepDrafter:
         self._held_weights: tuple | None = None
 
     #: Steps a request's weight (:meth:`_weights`) is used for before it is
-    #: taken again, where the batch keeps its requests: the end-share
+    #: taken again, where the batch keeps its requests and every request
+    #: gains one token a step (:meth:`_step_weights`): the end-share
     #: integral costs 0.3-0.5 ms a step (numpy calls on a few hundred
-    #: floats), a third of the proposer's time at 4 samples, and the
-    #: samples' distances to their ends move by a token a step together.
+    #: floats), a third of the proposer's time at 4 samples, and while no
+    #: draft is accepted the samples' distances to their ends stay put.
     WEIGHTS_EVERY = 4
 
     def run(self, live: list[Live], num_rows: int, num_decoding: int, spec_k: int,
@@ -188,28 +189,31 @@ class StepDrafter:
     # -- planning ------------------------------------------------------------
     def _step_weights(self, everyone: list[Live], batch: int,
                       closed: bool) -> tuple[dict[int, float] | None, set[int]]:
-        """:meth:`_weights`, taken again only where the batch's requests,
-        its size or ``closed`` changed, or every :attr:`WEIGHTS_EVERY` steps
-        (counted in steps, never in time: the same on every run)."""
+        """:meth:`_weights`, held for up to :attr:`WEIGHTS_EVERY` steps while
+        the batch keeps its requests, its size and ``closed`` and every
+        request gained exactly one token a step since they were taken (no
+        accepted draft: the samples' distances to their ends unchanged);
+        taken again otherwise. Counted in steps and tokens, never in time:
+        the same on every run."""
         key = (batch, closed, len(everyone))
         held = self._held_weights
         if held is not None and held[0] == key and held[1] + 1 < self.WEIGHTS_EVERY:
-            by_state = held[2]
+            age, by_state = held[1] + 1, held[2]
             rows = []
             for r in everyone:
                 got = by_state.get(id(r.state))
-                if got is None or got[0] is not r.state:
+                if got is None or got[0] is not r.state or r.n_tok - got[3] != age:
                     break
                 rows.append(got)
             else:
-                self._held_weights = (key, held[1] + 1, by_state, held[3])
+                self._held_weights = (key, age, by_state, held[3])
                 if held[3]:  # all 1: None, as _weights gives
                     return None, set()
-                return ({r.i: w for r, (_, w, _) in zip(everyone, rows)},
-                        {r.i for r, (_, _, p) in zip(everyone, rows) if p})
+                return ({r.i: w for r, (_, w, _, _) in zip(everyone, rows)},
+                        {r.i for r, (_, _, p, _) in zip(everyone, rows) if p})
         by_row, planned = self._weights(everyone, batch, closed)
         self._held_weights = (key, 0, {id(r.state): (r.state, 1.0 if by_row is None
-                                                     else by_row[r.i], r.i in planned)
+                                                     else by_row[r.i], r.i in planned, r.n_tok)
                                        for r in everyone}, by_row is None)
         return by_row, planned
 
