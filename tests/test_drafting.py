@@ -762,6 +762,14 @@ def test_a_steps_weights_are_held_while_the_samples_move_in_step():
     step._step_weights([Live(0, two[0].state, two[0].n_tok + 1, 3, []),
                         Live(1, other, two[1].n_tok + 1, 3, [])], 2, True)
     assert len(taken) == 7
+    # held weights keep no finished request's state alive
+    import gc
+    import weakref
+
+    gone = weakref.ref(other)
+    del other, two, states
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_step_prices_the_bonus_rows_only_where_every_request_allows_them():

@@ -53,6 +53,7 @@ runs with no tree and no draft; a request whose drafts cannot pay
 from __future__ import annotations
 
 import math
+import weakref
 from functools import reduce
 
 import numpy as np
@@ -102,8 +103,9 @@ class StepDrafter:
         #: SharedMemory`; None: ``shared_memory`` off).
         self.memory = None
         #: The last weights taken (:meth:`_step_weights`): their key (the
-        #: batch size, ``closed``, the requests), steps since, and by
-        #: request state's id ``(state, weight, planned for its parent)``.
+        #: batch size, ``closed``, the requests), steps since, by request
+        #: state's id ``(weak reference to the state, weight, planned for
+        #: its parent, its tokens then)``, and whether all were 1.
         self._held_weights: tuple | None = None
 
     #: Steps a request's weight (:meth:`_weights`) is used for before it is
@@ -202,7 +204,7 @@ class StepDrafter:
             rows = []
             for r in everyone:
                 got = by_state.get(id(r.state))
-                if got is None or got[0] is not r.state or r.n_tok - got[3] != age:
+                if got is None or got[0]() is not r.state or r.n_tok - got[3] != age:
                     break
                 rows.append(got)
             else:
@@ -212,8 +214,11 @@ class StepDrafter:
                 return ({r.i: w for r, (_, w, _, _) in zip(everyone, rows)},
                         {r.i for r, (_, _, p, _) in zip(everyone, rows) if p})
         by_row, planned = self._weights(everyone, batch, closed)
-        self._held_weights = (key, 0, {id(r.state): (r.state, 1.0 if by_row is None
-                                                     else by_row[r.i], r.i in planned, r.n_tok)
+        # the states by weak reference: a finished request's state is freed
+        # with it (the soak test counts what the package keeps)
+        self._held_weights = (key, 0, {id(r.state): (weakref.ref(r.state),
+                                                     1.0 if by_row is None else by_row[r.i],
+                                                     r.i in planned, r.n_tok)
                                        for r in everyone}, by_row is None)
         return by_row, planned
 
