@@ -643,6 +643,19 @@ def test_planned_unchecked_draft_carries_its_expected_gain():
     assert drafts == [[]] and s.draft_expect is None
 
 
+def _capped_states(prior, tokens, text, generated, groups):
+    """N=3, W=2, G=2 request states of row i of ``tokens`` (the whole
+    ``text``), ``generated[i]`` tokens of 16 generated, in parent
+    ``groups[i]`` (None: no siblings)."""
+    states = []
+    for i, (done, group) in enumerate(zip(generated, groups)):
+        s = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
+                      tokens[i], len(text), len(text) - done, 16, False, 0, prior)
+        s.group = group
+        states.append(s)
+    return states
+
+
 def test_samples_of_one_parent_are_planned_by_who_ends_last():
     """The n samples of a request (vLLM's ids ``"{index}_{parent}"``): the one
     with the most tokens left, far behind its sibling, is planned with the
@@ -657,12 +670,8 @@ def test_samples_of_one_parent_are_planned_by_who_ends_last():
     assert sibling_group("12_") is None
 
     step, stats, prior, text, tokens = _planned_step(0.9, 0.001, rows=3, parent_latency=True)
-    live = []
-    for i, generated in enumerate((1, 9, 2)):
-        s = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
-                      tokens[i], len(text), len(text) - generated, 16, False, 0, prior)
-        s.group = "p" if i < 2 else None
-        live.append(Live(i, s, len(text), 3, []))
+    live = [Live(i, s, len(text), 3, [])
+            for i, s in enumerate(_capped_states(prior, tokens, text, (1, 9, 2), ("p", "p", None)))]
     w, _ = step._weights(live, 3)
     slot = step.planner.drain_value(3, 2)
     # 15 left against its sibling's 7: it ends the parent (worth the
@@ -685,12 +694,9 @@ def test_a_closed_batch_is_planned_for_its_end():
     their slots. Not closed, or a request without an output cap, or
     ``batch_end`` off: each request is worth its own tokens (weights None)."""
     step, stats, prior, text, tokens = _planned_step(0.9, 0.001, rows=3, batch_end=True)
-    live = []
-    for i, generated in enumerate((1, 9, 8)):
-        s = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
-                      tokens[i], len(text), len(text) - generated, 16, False, 0, prior)
-        assert s.group is None  # unrelated requests
-        live.append(Live(i, s, len(text), 3, []))
+    # unrelated requests
+    live = [Live(i, s, len(text), 3, [])
+            for i, s in enumerate(_capped_states(prior, tokens, text, (1, 9, 8), (None,) * 3))]
     assert step._weights(live, 3) == (None, set())
     w, planned = step._weights(live, 3, closed=True)
     assert planned == {0, 1, 2}
@@ -716,12 +722,7 @@ def test_a_steps_weights_are_held_while_the_samples_move_in_step():
     ``closed`` flips. Held, they are the weights last taken, by request,
     whatever its row."""
     step, stats, prior, text, tokens = _planned_step(0.9, 0.001, rows=3, parent_latency=True)
-    states = []
-    for i, generated in enumerate((1, 9, 2)):
-        s = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
-                      tokens[i], len(text), len(text) - generated, 16, False, 0, prior)
-        s.group = "p" if i < 2 else None
-        states.append(s)
+    states = _capped_states(prior, tokens, text, (1, 9, 2), ("p", "p", None))
 
     def at(steps, extra=(0, 0, 0), rows=(0, 1, 2)):
         return [Live(rows[i], s, len(text) + steps + extra[i], 3, [])
@@ -756,12 +757,15 @@ def test_a_steps_weights_are_held_while_the_samples_move_in_step():
     step._step_weights(two, 2, False)
     step._step_weights(two, 2, True)
     assert len(taken) == 6
+    # no siblings and not closed: _weights' cheap None, nothing held
+    alone = at(t + 4, extra=(6, 0, 0))[2:]
+    assert step._step_weights(alone, 1, False) == (None, set())
+    assert step._held_weights is None
     # a new request in a finished one's place (same count, in step) is not held over
-    other = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
-                      tokens[1], len(text), len(text) - 9, 16, False, 0, prior)
+    other = _capped_states(prior, tokens[1:], text, (9,), (None,))[0]
     step._step_weights([Live(0, two[0].state, two[0].n_tok + 1, 3, []),
                         Live(1, other, two[1].n_tok + 1, 3, [])], 2, True)
-    assert len(taken) == 7
+    assert len(taken) == 8
     # held weights keep no finished request's state alive
     import gc
     import weakref

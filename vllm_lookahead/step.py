@@ -102,10 +102,11 @@ class StepDrafter:
         #: The engine's shared memory (:class:`~vllm_lookahead.memory.
         #: SharedMemory`; None: ``shared_memory`` off).
         self.memory = None
-        #: The last weights taken (:meth:`_step_weights`): their key (the
-        #: batch size, ``closed``, the requests), steps since, by request
-        #: state's id ``(weak reference to the state, weight, planned for
-        #: its parent, its tokens then)``, and whether all were 1.
+        #: The last weights taken (:meth:`_step_weights`; None where
+        #: :meth:`_weights` gave None): their key (the batch size,
+        #: ``closed``, the requests), steps since, and by request state's
+        #: id ``(weak reference to the state, weight, planned for its
+        #: parent, its tokens then)``.
         self._held_weights: tuple | None = None
 
     #: Steps a request's weight (:meth:`_weights`) is used for before it is
@@ -191,12 +192,12 @@ class StepDrafter:
     # -- planning ------------------------------------------------------------
     def _step_weights(self, everyone: list[Live], batch: int,
                       closed: bool) -> tuple[dict[int, float] | None, set[int]]:
-        """:meth:`_weights`, held for up to :attr:`WEIGHTS_EVERY` steps while
-        the batch keeps its requests, its size and ``closed`` and every
-        request gained exactly one token a step since they were taken (no
-        accepted draft: the samples' distances to their ends unchanged);
-        taken again otherwise. Counted in steps and tokens, never in time:
-        the same on every run."""
+        """:meth:`_weights` (other than its None), held for up to
+        :attr:`WEIGHTS_EVERY` steps while the batch keeps its requests, its
+        size and ``closed`` and every request gained exactly one token a
+        step since they were taken (no accepted draft: the samples'
+        distances to their ends unchanged); taken again otherwise. Counted
+        in steps and tokens, never in time: the same on every run."""
         key = (batch, closed, len(everyone))
         held = self._held_weights
         if held is not None and held[0] == key and held[1] + 1 < self.WEIGHTS_EVERY:
@@ -208,18 +209,16 @@ class StepDrafter:
                     break
                 rows.append(got)
             else:
-                self._held_weights = (key, age, by_state, held[3])
-                if held[3]:  # all 1: None, as _weights gives
-                    return None, set()
+                self._held_weights = (key, age, by_state)
                 return ({r.i: w for r, (_, w, _, _) in zip(everyone, rows)},
                         {r.i for r, (_, _, p, _) in zip(everyone, rows) if p})
         by_row, planned = self._weights(everyone, batch, closed)
-        # the states by weak reference: a finished request's state is freed
+        # None (no siblings, not closed) is its cheap path: nothing to hold.
+        # The states by weak reference: a finished request's state is freed
         # with it (the soak test counts what the package keeps)
-        self._held_weights = (key, 0, {id(r.state): (weakref.ref(r.state),
-                                                     1.0 if by_row is None else by_row[r.i],
-                                                     r.i in planned, r.n_tok)
-                                       for r in everyone}, by_row is None)
+        self._held_weights = None if by_row is None else (
+            key, 0, {id(r.state): (weakref.ref(r.state), by_row[r.i], r.i in planned, r.n_tok)
+                     for r in everyone})
         return by_row, planned
 
     def _weights(self, everyone: list[Live], batch: int,
