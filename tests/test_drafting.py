@@ -832,3 +832,69 @@ def test_match_kind_buckets_long_own_matches():
     assert [match_kind("memory", m) for m in (3, 6, 12)] == ["memory3", "memory6", "memory12"]
     prior = AcceptancePrior(max_cands=3)
     assert set(got.values()) <= set(LOOKUP_KINDS) == set(prior.p_unchecked)
+
+
+def test_the_parents_realized_ends_scale_the_shares_of_unseeded_samples():
+    """``ParentEnds``: a parent whose samples that accepted drafts were not
+    the one that ended last saved no step of what its shares valued, so the
+    factor on the shares falls, and an unseeded sample's weight with it
+    (toward the slot it frees); a seeded sample is planned as on every run,
+    with the shares as modelled."""
+    step, stats, prior, text, tokens = _planned_step(0.9, 0.001, rows=3, parent_latency=True)
+    states = _capped_states(prior, tokens, text, (1, 1, 1), ("p", "p", "p"))
+    live = [Live(i, s, len(text), 3, []) for i, s in enumerate(states)]
+    w_before, _ = step._weights(live, 3)
+    shares = [s.end_share for s in states]
+    assert all(0.0 < x < 1.0 for x in shares)  # three tied samples
+    ends = step.ends
+    assert ends.factor == 1.0
+    for _ in range(3):  # parents that ended as if nothing was accepted
+        for j in range(3):
+            ends.start("q")
+        for j in range(3):
+            ends.finish("q", 0, 16, 16 if j else 11, 2.0 if j == 0 else 0.0)
+    assert ends.parents == 3 and len(ends) == 0
+    assert ends.factor < 0.5
+    states[2].seeded = True
+    w_after, _ = step._weights(live, 3)
+    slot = step.planner.drain_value(3, 3)
+    for j in (0, 1):
+        assert slot <= w_after[j] < w_before[j]
+        assert states[j].end_share == pytest.approx(shares[j])  # as modelled
+    assert w_after[2] == pytest.approx(w_before[2])
+
+
+def test_parent_ends_count_steps_saved_against_steps_valued():
+    """The factor is the parent steps saved (``max(start + tokens) -
+    max(start + steps)``) over the steps the shares valued, from a prior of
+    1, held in [FLOOR, 1]; a parent with a preempted sample is left out."""
+    from vllm_lookahead.siblings import ParentEnds
+
+    ends = ParentEnds()
+    # every sample gained 6 tokens: the parent ended 6 steps sooner, as valued
+    for j in range(4):
+        ends.start("a")
+    for j in range(4):
+        ends.finish("a", 0, 64, 58, 1.5)
+    assert ends.factor == 1.0 and ends.parents == 1
+    # a sample started 5 steps late sets the end: the one ahead saved nothing
+    ends2 = ParentEnds()
+    ends2.start("b")
+    ends2.start("b")
+    ends2.finish("b", 5, 64, 64, 0.0)
+    ends2.finish("b", 0, 64, 50, 4.0)
+    assert ends2.saved == pytest.approx(ParentEnds.KEEP * ParentEnds.PRIOR)
+    assert ends2.factor == pytest.approx(0.9 * 2 / (0.9 * 2 + 4.0))
+    # preempted (left out): nothing counted, the record gone
+    ends2.start("c")
+    ends2.start("c")
+    ends2.finish("c", 0, 10, 3, 5.0, left_out=True)
+    ends2.finish("c", 0, 64, 64, 0.0)
+    assert ends2.parents == 1 and len(ends2) == 0
+    # a sample of a parent never started is ignored
+    ends2.finish("zzz", 0, 9, 1, 9.0)
+    assert ends2.parents == 1
+    for _ in range(60):
+        ends2.start("d")
+        ends2.finish("d", 0, 64, 64, 10.0)
+    assert ends2.factor == ParentEnds.FLOOR

@@ -164,3 +164,85 @@ def end_shares_many(parents: list[tuple[list[int], list[tuple[float, int]]]]) ->
         row = shares[q].tolist()
         out[j] = [row[u] for u in index[q]]
     return out
+
+
+class ParentEnds:
+    """How far the parents' realized ends bear out :func:`end_shares`: a
+    factor on the shares, learnt from the parents that finished.
+
+    The shares value a sample's gained token as moving its parent's end
+    where the sample would end last. Whether the parent did end sooner is
+    known once its last sample finishes: sample ``i``, started at step
+    ``s_i``, produced ``L_i`` tokens in ``T_i`` steps; one token a step, the
+    parent would have ended at ``max(s_i + L_i)``, it ended at
+    ``max(s_i + T_i)``. That saving (parent steps) against what the shares
+    valued (the share each sample was planned with times the draft tokens
+    it had accepted then, summed over its steps) gives the factor
+    ``saved / valued`` (exponentially weighted over parents, from a prior of
+    1, held in [:attr:`FLOOR`, 1]). Where samples that accept drafts are not
+    the ones that end last (a repetitive sample runs ahead, the parent ends
+    with one that drafts nothing) the factor falls and the samples' tokens
+    are worth about the batch slot they free.
+
+    Counted in tokens and steps, never in time: every tensor-parallel rank
+    learns the same factor. A parent with a sample preempted and resumed
+    (its steps rebuilt) is left out. Pure Python; what it holds is one small
+    record per parent with a live sample.
+    """
+
+    #: Parent steps of evidence behind the prior factor of 1.
+    PRIOR = 2.0
+    #: Weight kept by the evidence so far at each finished parent.
+    KEEP = 0.9
+    #: The least factor.
+    FLOOR = 0.05
+
+    __slots__ = ("saved", "valued", "parents", "_open")
+
+    def __init__(self) -> None:
+        self.saved = self.valued = self.PRIOR
+        #: parents that finished and were counted
+        self.parents = 0
+        #: per parent with a live sample: [live samples, end one token a
+        #: step, end as run, valued steps, left out]
+        self._open: dict = {}
+
+    @property
+    def factor(self) -> float:
+        return min(max(self.saved / self.valued, self.FLOOR), 1.0)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def start(self, group) -> None:
+        """A sample of parent ``group`` starts (or resumes)."""
+        rec = self._open.get(group)
+        if rec is None:
+            rec = self._open[group] = [0, 0, 0, 0.0, False]
+        rec[0] += 1
+
+    def finish(self, group, start: int, tokens: int, steps: int, valued: float,
+               left_out: bool = False) -> None:
+        """A sample of ``group`` finished (or was preempted: ``left_out``):
+        it started at step ``start`` and produced ``tokens`` tokens in
+        ``steps`` steps, its gained tokens valued ``valued`` parent steps.
+        The parent's last sample counts the parent."""
+        rec = self._open.get(group)
+        if rec is None:
+            return
+        rec[0] -= 1
+        rec[1] = max(rec[1], start + tokens)
+        rec[2] = max(rec[2], start + steps)
+        rec[3] += valued
+        rec[4] = rec[4] or left_out
+        if rec[0] > 0:
+            return
+        del self._open[group]
+        if rec[4]:
+            return
+        self.saved = self.KEEP * self.saved + max(rec[1] - rec[2], 0)
+        self.valued = self.KEEP * self.valued + rec[3]
+        self.parents += 1
+
+    def clear(self) -> None:
+        self._open.clear()
