@@ -54,11 +54,10 @@ def test_defaults_valid():
     assert cfg.cost_model == "auto"
     assert cfg.shared_memory is True and cfg.memory_tokens == 131072
     assert cfg.parent_latency is True
-    assert cfg.batch_end is False and cfg.parent_ends is True
+    assert cfg.batch_end is False
     assert set(cfg.field_names()) == set(RANGES) | {"prompt_pool", "mode", "adaptive",
                                                     "cost_model", "shared_memory",
-                                                    "parent_latency", "batch_end",
-                                                    "parent_ends"}
+                                                    "parent_latency", "batch_end"}
     assert LookaheadConfig.from_dict(cfg.to_dict()) == cfg
 
 

@@ -117,11 +117,6 @@ class LookaheadConfig:
             whole batch gets (``LLM.generate``, a rollout batch); a server's
             clients each wait for their own request. False (the default):
             each request (or parent) for its own end.
-        parent_ends: with ``parent_latency``, scale the share of a
-            sample's gain that ends its parent by how far the finished
-            parents' ends bore the shares out
-            (:class:`~vllm_lookahead.siblings.ParentEnds`; unseeded samples
-            only). True (the default).
 
     The defaults (N, W, G) = (4, 3, 3) are the fastest measured on a 2-core
     CPU (bfloat16, SmolLM2-135M, HumanEval and MT-Bench): there every query
@@ -143,7 +138,6 @@ class LookaheadConfig:
     lookup_len: int = 0
     parent_latency: bool = True
     batch_end: bool = False
-    parent_ends: bool = True
 
     _RANGES = {
         "ngram_size": (2, 16),

@@ -107,9 +107,6 @@ def account(state: RequestState, stats, sampled: list[int], num_tokens: int) -> 
     st.generated_tokens += useful
     accepted = min(num_sampled - 1, len(state.draft_sources))
     st.accepted_tokens += accepted
-    state.steps += 1
-    state.generated += useful
-    state.end_valued += state.end_share * accepted
     for src in state.draft_sources[:accepted]:
         st.accepted_by_source[src] += 1
     row = st.drafts_by_kind.get(state.draft_kind) if state.draft_sources else None

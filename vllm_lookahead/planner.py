@@ -211,8 +211,7 @@ def sibling_rows(groups: list, remaining: list) -> list[list[int]]:
 
 
 def sibling_weights(groups: list, remaining: list, slot_value, end_value,
-                    draws: list, factors: list | None = None,
-                    shares_out: list | None = None) -> list[float]:
+                    draws: list) -> list[float]:
     """What a gained token is worth to each request of a step whose
     requests may be the n samples of one parent request (vLLM answers the
     parent when its last sample ends), in tokens of the step.
@@ -240,28 +239,17 @@ def sibling_weights(groups: list, remaining: list, slot_value, end_value,
             with ``k`` live samples is worth (:meth:`Planner.end_value`).
         draws: per request, ``(p, K)``: its typical draft's per-token
             acceptance and length.
-        factors: per request, what its share is taken at (the parents'
-            ends as realized, :class:`~vllm_lookahead.siblings.ParentEnds`;
-            None: 1).
-        shares_out: filled with each request's share as modelled (before
-            ``factors``; 0 where it is not planned for a parent).
 
     Returns:
         per request, its weight (``RequestView.weight``).
     """
     out = [1.0] * len(groups)
-    if shares_out is not None:
-        shares_out[:] = [0.0] * len(groups)
     parents = sibling_rows(groups, remaining)
     every = end_shares_many([([remaining[r] for r in rows], [draws[r] for r in rows])
                              for rows in parents])
     for rows, shares in zip(parents, every):
         value, slot = end_value(len(rows)), slot_value(len(rows))
         for r, share in zip(rows, shares):
-            if shares_out is not None:
-                shares_out[r] = share
-            if factors is not None:
-                share *= factors[r]
             out[r] = share * value + (1.0 - share) * slot
     return out
 

@@ -93,9 +93,6 @@ class LookaheadProposer:
         #: Requests waiting for a batch slot at this step (patch 16; None:
         #: not reported).
         self._waiting = None
-        #: Proposer calls so far (engine steps that sampled): where a
-        #: parent's samples start (``siblings.ParentEnds``).
-        self._steps = 0
         how = "planned per step" if self.cfg.adaptive else "fixed tree"
         if self.disable_batch_size:
             how += f", off from {self.disable_batch_size} decoding requests"
@@ -155,7 +152,7 @@ class LookaheadProposer:
             self._forget(req_id)
         resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ())
         for req_id in resumed or ():
-            self._forget(req_id, finished=False)
+            self._forget(req_id)
         self._scheduled = scheduler_output.num_scheduled_tokens
         self._clean = not scheduler_output.scheduled_new_reqs and not resumed
         # vLLM's per-batch-size draft length (num_speculative_tokens_per_batch_size).
@@ -227,7 +224,6 @@ class LookaheadProposer:
     def propose_for_runner(self, runner, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Drafts for every request of the runner's batch (batch order)."""
         t0 = time.perf_counter()
-        self._steps += 1
         if (self.worker is None and self.step.trees) or (self.cfg.adaptive and self.planner is None):
             self.warm_up(runner)
         batch = runner.input_batch
@@ -294,9 +290,6 @@ class LookaheadProposer:
         d["cost_model"] = self.planner.cost.snapshot() if self.planner is not None else None
         d["explored_trees"] = self.planner.explored if self.planner is not None else 0
         d["acceptance_prior"] = self.prior.snapshot()
-        ends = self.step.ends
-        d["parent_ends"] = {"factor": ends.factor, "parents": ends.parents,
-                            "saved_steps": ends.saved, "valued_steps": ends.valued}
         mem = self.memory
         d["shared_memory"] = None if mem is None else {
             "documents": len(mem), "tokens": mem.tokens, "capacity_tokens": mem.capacity,
@@ -328,9 +321,6 @@ class LookaheadProposer:
         state = new_state(settings, tokens, n_tok, n_prompt, getattr(params, "max_tokens", None),
                           seeded, self.cfg.seed, self.prior)
         state.group = sibling_group(req_id)
-        if state.group is not None:
-            state.start_step = self._steps
-            self.step.ends.start(state.group)
         state.sampled = _sampling(params)
         state.lazy_bonus = lazy_bonus.request_applies(params)
         if self.memory is not None and settings.enabled and settings.shared_memory:
@@ -343,17 +333,11 @@ class LookaheadProposer:
         self.states[req_id] = state
         return state
 
-    def _forget(self, req_id: str, finished: bool = True) -> None:
-        """A request finished, was aborted or resumes after preemption
-        (``finished`` False: its steps are rebuilt, its parent not counted)."""
+    def _forget(self, req_id: str) -> None:
+        """A request finished, was aborted or resumes after preemption."""
         state = self.states.pop(req_id, None)
-        if state is None:
-            return
-        if state.memory_doc is not None:
+        if state is not None and state.memory_doc is not None:
             self.memory.close(state.memory_doc)
-        if state.group is not None:
-            self.step.ends.finish(state.group, state.start_step, state.generated, state.steps,
-                                  state.end_valued, left_out=not finished)
 
     def _run_trees(self, rows: list[tuple[int, PlannedTree]]) -> list[np.ndarray]:
         """A separate tree-masked forward over ``(batch row, tree)`` pairs:

@@ -220,16 +220,6 @@ class RequestState:
     #: tokens the memory has.
     memory_scope: int = 0
     memory_upto: int = 0
-    #: One of a parent's n samples: the share of its gained tokens that
-    #: ends the parent sooner as last planned (``siblings.end_shares``; 0:
-    #: not planned for a parent), and the parent steps valued so over its
-    #: accepted tokens; the proposer's step it started at, and its steps
-    #: and tokens since (``siblings.ParentEnds``).
-    end_share: float = 0.0
-    end_valued: float = 0.0
-    start_step: int = 0
-    steps: int = 0
-    generated: int = 0
 
     def add_context_ngrams(self, tokens: np.ndarray, n: int, upto: int) -> None:
         """Add every n-gram of ``tokens[:upto]`` not added yet (prompt pool)."""

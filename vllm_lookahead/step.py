@@ -69,7 +69,6 @@ from vllm_lookahead.planner import (
     sibling_rows,
     sibling_weights,
 )
-from vllm_lookahead.siblings import ParentEnds
 from vllm_lookahead.trees import TreeAsk, plan_trees
 
 
@@ -100,9 +99,6 @@ class StepDrafter:
         #: cannot serve the lookahead branch: prompt-lookup drafts only).
         self.trees = True
         self.quiet = QuietBatches(stats, prior, cfg.prompt_pool)
-        #: The parents' ends as realized against the shares valued
-        #: (``parent_latency``): a factor on the shares.
-        self.ends = ParentEnds()
         #: The engine's shared memory (:class:`~vllm_lookahead.memory.
         #: SharedMemory`; None: ``shared_memory`` off).
         self.memory = None
@@ -236,8 +232,6 @@ class StepDrafter:
                   and all(r.state.max_tokens is not None for r in everyone))
         if self.planner is None or not everyone or not closed and (
                 not self.cfg.parent_latency or not any(r.state.group for r in everyone)):
-            for r in everyone:  # a last sample left: its tokens end its parent
-                r.state.end_share = 1.0
             return None, set()
         groups, remaining, draws = [], [], []
         for r in everyone:
@@ -248,21 +242,9 @@ class StepDrafter:
             # its typical draft: its last lookup's kind, N - 1 tokens
             draws.append((st.acc.unchecked_p(st.lookup_kind) * st.acc.prior.calibration,
                           max(1, min(st.settings.ngram_size - 1, r.room))))
-        # the shares as the parents' realized ends bear them out (not a
-        # seeded request's: it is planned alike on every run)
-        f = self.ends.factor
-        factors = None if closed or not self.cfg.parent_ends else [
-            1.0 if r.state.seeded else f for r in everyone]
-        shares: list[float] = []
         w = sibling_weights(groups, remaining, lambda k: self.planner.drain_value(batch, k),
-                            lambda k: self.planner.end_value(batch, k), draws,
-                            factors=factors, shares_out=shares)
-        rows = sibling_rows(groups, remaining)
-        planned = {everyone[j].i for rows_ in rows for j in rows_}
-        for r, share in zip(everyone, shares):
-            # not planned for its parent (its last sample, no cap): its
-            # tokens valued as its own, one parent step each
-            r.state.end_share = share if r.i in planned else 1.0
+                            lambda k: self.planner.end_value(batch, k), draws)
+        planned = {everyone[j].i for rows in sibling_rows(groups, remaining) for j in rows}
         return {r.i: x for r, x in zip(everyone, w)}, planned
 
     def _plan(self, live: list[Live], drafts, token_ids,
