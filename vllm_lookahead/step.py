@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 import weakref
 from functools import reduce
+from typing import NamedTuple
 
 import numpy as np
 
@@ -74,6 +75,23 @@ from vllm_lookahead.trees import TreeAsk, plan_trees
 
 #: The parent of every request of a ``closed`` batch (:meth:`StepDrafter._weights`).
 _WHOLE_BATCH = object()
+
+
+class _HeldWeight(NamedTuple):
+    """One request's weight as held (:meth:`StepDrafter._step_weights`)."""
+
+    state: weakref.ref  # its state, by weak reference
+    weight: float
+    planned: bool  # planned for its parent
+    n_tok: int  # its tokens when taken
+
+
+class _HeldWeights(NamedTuple):
+    """The last weights taken (:meth:`StepDrafter._step_weights`)."""
+
+    key: tuple  # (batch size, closed, requests)
+    age: int  # steps since taken
+    by_state: dict  # id(request state) -> _HeldWeight
 
 
 class StepDrafter:
@@ -103,11 +121,8 @@ class StepDrafter:
         #: SharedMemory`; None: ``shared_memory`` off).
         self.memory = None
         #: The last weights taken (:meth:`_step_weights`; None where
-        #: :meth:`_weights` gave None): their key (the batch size,
-        #: ``closed``, the requests), steps since, and by request state's
-        #: id ``(weak reference to the state, weight, planned for its
-        #: parent, its tokens then)``.
-        self._held_weights: tuple | None = None
+        #: :meth:`_weights` gave None).
+        self._held_weights: _HeldWeights | None = None
 
     #: Steps a request's weight (:meth:`_weights`) is used for before it is
     #: taken again, where the batch keeps its requests and every request
@@ -200,24 +215,25 @@ class StepDrafter:
         in steps and tokens, never in time: the same on every run."""
         key = (batch, closed, len(everyone))
         held = self._held_weights
-        if held is not None and held[0] == key and held[1] + 1 < self.WEIGHTS_EVERY:
-            age, by_state = held[1] + 1, held[2]
+        if held is not None and held.key == key and held.age + 1 < self.WEIGHTS_EVERY:
+            age, by_state = held.age + 1, held.by_state
             rows = []
             for r in everyone:
                 got = by_state.get(id(r.state))
-                if got is None or got[0]() is not r.state or r.n_tok - got[3] != age:
+                if got is None or got.state() is not r.state or r.n_tok - got.n_tok != age:
                     break
                 rows.append(got)
             else:
-                self._held_weights = (key, age, by_state)
-                return ({r.i: w for r, (_, w, _, _) in zip(everyone, rows)},
-                        {r.i for r, (_, _, p, _) in zip(everyone, rows) if p})
+                self._held_weights = _HeldWeights(key, age, by_state)
+                return ({r.i: got.weight for r, got in zip(everyone, rows)},
+                        {r.i for r, got in zip(everyone, rows) if got.planned})
         by_row, planned = self._weights(everyone, batch, closed)
         # None (no siblings, not closed) is its cheap path: nothing to hold.
         # The states by weak reference: a finished request's state is freed
         # with it (the soak test counts what the package keeps)
-        self._held_weights = None if by_row is None else (
-            key, 0, {id(r.state): (weakref.ref(r.state), by_row[r.i], r.i in planned, r.n_tok)
+        self._held_weights = None if by_row is None else _HeldWeights(
+            key, 0, {id(r.state): _HeldWeight(weakref.ref(r.state), by_row[r.i],
+                                              r.i in planned, r.n_tok)
                      for r in everyone})
         return by_row, planned
 
