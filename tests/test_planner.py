@@ -962,12 +962,15 @@ def test_end_value_is_the_parents_last_step_at_the_plain_rate():
     planner = Planner(CostModel(curve_from(fn, tokens=(1, 2, 4))))
     # 4 samples alone: the last runs alone, c(1) = 1 against c(4) = 1.3
     assert planner.end_value(4, 4) == pytest.approx(4 * 1.0 / 1.3, rel=1e-3)
-    # 2 samples among 4: the last step keeps the 2 others, c(3) = 1.2
-    # 2 samples among 4: the last step keeps the 2 others, c(3) = 1.2, but
-    # a parent's step is worth at most its samples' tokens
-    assert planner.end_value(4, 2) == 2.0
+    # 2 samples among 4: the last step keeps the 2 others, c(3) = 1.2, whose
+    # 2 tokens it gains too and they gain anyway: 4 * 1.2 / 1.3 - 2
+    assert planner.end_value(4, 2) == pytest.approx(4 * 1.2 / 1.3 - 2, rel=1e-3)
     assert planner.end_value(8, 8) == pytest.approx(8 * 1.0 / 1.7, rel=1e-2)
     assert planner.end_value(1, 1) == 1.0
+    # 4 samples among 16 on a step a + m b (a = 0.9, m = 0.1): 1 + 3 a / c(16)
+    assert planner.end_value(16, 4) == pytest.approx(1 + 3 * 0.9 / 2.5, rel=1e-2)
+    # a flat machine: the parent's slots, its k samples' tokens
+    assert Planner(model(gpu)).end_value(16, 4) == pytest.approx(4.0, rel=1e-6)
 
 
 def test_slot_value_is_the_marginal_request_at_the_plain_rate():

@@ -579,13 +579,18 @@ class Planner:
         """What ending a parent request of ``samples`` live samples a step
         sooner is worth, in tokens of a ``batch``-request step
         (:func:`sibling_weights`): its last step runs its last sample with
-        the step's other requests, ``c(batch - samples + 1)`` seconds, at the
-        plain step's tokens per second ``batch / c(batch)``; between
-        :meth:`slot_value` and ``samples``."""
+        the step's ``batch - samples`` other requests, ``c(batch - samples
+        + 1)`` seconds, at the plain step's tokens per second ``batch /
+        c(batch)``, less the others' tokens, which that step gains too and
+        which they gain anyway: ``b c(b - k + 1) / c(b) - (b - k)``. On a
+        flat machine that is ``k`` (the parent's slots); where a step costs
+        ``a + m b``, ``1 + (k - 1) a / c(b)``. Between :meth:`slot_value`
+        and ``samples``."""
         c, last = self._drain_costs(batch, samples)
         if c <= 0 or batch <= 1:
             return 1.0
-        return min(max(batch * last / c, self.slot_value(batch)), float(samples))
+        others = max(batch - samples, 0)
+        return min(max(batch * last / c - others, self.slot_value(batch)), float(samples))
 
     def _drain_costs(self, batch: int, samples: int) -> tuple[float, float]:
         """Plain step seconds with the ``batch`` requests, and with one of
