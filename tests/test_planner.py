@@ -652,6 +652,35 @@ def test_measure_curve_respects_its_budget():
     assert [t for t, _ in slow.points[1]] == [1, 2, 4, 8] and 2 not in slow.points
 
 
+def test_measure_curve_measures_every_batch_before_long_token_counts():
+    """Breadth first: a budget that cannot hold the whole ladder still
+    gives every batch its first two sizes (what one more request and a
+    first draft token cost there), then lengthens the batches in turn."""
+    clock, order = [0.0], []
+
+    def time_step(b, t):
+        order.append((b, t))
+        s = 0.01 * b * (1 + t / 8)
+        clock[0] += s
+        return s
+
+    tokens = (1, 2, 4, 8, 16, 32, 64)
+    c = measure_curve(time_step, batches=(1, 2, 4, 8, 16), tokens=tokens, budget_s=2.5,
+                      repeats=1, clock=lambda: clock[0])
+    assert sorted(c.points) == [1, 2, 4, 8, 16]
+    assert all([t for t, _ in c.points[b]][:2] == [1, 2] for b in c.points)
+    assert [t for t, _ in c.points[1]] == list(tokens)  # then batch 1 in full
+    assert len(c.points[16]) == 2  # the budget ran out before the last batch's long sizes
+    firsts = [p for i, p in enumerate(order) if i % 2 == 0]  # each point's warm-up
+    assert firsts[:8] == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (4, 1), (4, 2)]
+    # tensor parallel: rank 0's "no" stops every rank at the same point
+    wishes = []
+    agreed = measure_curve(time_step, batches=(1, 2, 4), tokens=tokens, budget_s=100,
+                           keep_going=lambda wish: wishes.append(wish) or len(wishes) <= 6)
+    assert {b: [t for t, _ in p] for b, p in agreed.points.items()} == {
+        1: [1, 2, 4, 8], 2: [1, 2]}
+
+
 def test_measured_curve_never_falls_with_more_tokens():
     noisy = {1: 0.09, 2: 0.015, 4: 0.018, 8: 0.002, 16: 0.012}  # another process ran
     c = measure_curve(lambda b, t: noisy[t], batches=(1,), tokens=tuple(noisy), repeats=1)

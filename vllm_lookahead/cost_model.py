@@ -237,33 +237,50 @@ def measure_curve(
     step's seconds), the least of ``repeats`` runs per point (other load
     only ever adds time) after one warm-up run.
 
-    Points go in order of cost (batch 1 first, tokens ascending within a
-    batch), and the ladder stops once ``budget_s`` is spent: unmeasured
-    points are extrapolated by :meth:`CostCurve.predict`. A batch keeps its
-    points only if it got at least two. The first batch always gets its
-    first :data:`MIN_POINTS` sizes, whatever the budget: one point tells
-    nothing of what a draft token costs (extrapolated from one point, each
-    token costs a whole step, and no draft ever runs to show otherwise).
+    Breadth first, then deep, until ``budget_s`` is spent: the first batch's
+    first :data:`MIN_POINTS` sizes (whatever the budget: one point tells
+    nothing of what a draft token costs; extrapolated from one point, each
+    token costs a whole step, and no draft ever runs to show otherwise),
+    then every further batch's first two sizes (what a request and its
+    first draft token cost at that batch: the planner's question at every
+    batch size, which a queue or n samples fill), then each batch's further
+    sizes in turn (trees, long drafts). Unmeasured points are extrapolated
+    by :meth:`CostCurve.predict`. A batch keeps its points only if it got
+    at least two.
 
     ``keep_going(local_wish) -> bool`` decides, before each point, whether
     to go on (tensor parallel ranks must run the same forwards: the proposer
-    passes a broadcast of rank 0's wish).
+    passes a broadcast of rank 0's wish); once it says no, nothing more is
+    measured.
     """
     start = clock()
-    points: dict[int, list[tuple[int, float]]] = {}
+    batches, tokens = list(batches), list(tokens)
+    got: dict[int, list[tuple[int, float]]] = {b: [] for b in batches}
+
+    def point(b: int, forced: bool) -> bool:
+        """Measure batch ``b``'s next size; False: stop the ladder."""
+        wish = forced or clock() - start < budget_s
+        go = keep_going(wish) if keep_going is not None else wish
+        if not go:
+            return False
+        t = tokens[len(got[b])]
+        time_step(b, t)  # warm-up
+        got[b].append((t, min(time_step(b, t) for _ in range(max(repeats, 1)))))
+        return True
+
+    def fill(b: int, upto: int, forced: bool = False) -> bool:
+        while len(got[b]) < min(upto, len(tokens)):
+            if not point(b, forced):
+                return False
+        return True
+
+    go = bool(batches) and fill(batches[0], MIN_POINTS, forced=True)
+    for b in batches[1:]:
+        go = go and fill(b, 2)
     for b in batches:
-        got = []
-        for t in tokens:
-            wish = clock() - start < budget_s or (b == batches[0] and len(got) < MIN_POINTS)
-            go = keep_going(wish) if keep_going is not None else wish
-            if not go:
-                break
-            time_step(b, t)  # warm-up
-            got.append((t, min(time_step(b, t) for _ in range(max(repeats, 1)))))
-        if len(got) >= 2 or (b == batches[0] and got):
-            points[b] = monotone(got)
-        if len(got) < len(tokens):
-            break
+        go = go and fill(b, len(tokens))
+    points = {b: monotone(pts) for b, pts in got.items()
+              if len(pts) >= 2 or (batches and b == batches[0] and pts)}
     return CostCurve(points)
 
 

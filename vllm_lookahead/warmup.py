@@ -47,8 +47,10 @@ CONTEXT = 256
 #: bfloat16 tree step on a CPU with AMX; 3: the verification timed with
 #: drafts that are accepted, so that a lazy verifier computes every row;
 #: 4: and a rejected one, for the bonus row a lazy verifier skips; 5: and
-#: every request drafting, for what a step pays once where any drafts).
-STEP_REVISION = 5
+#: every request drafting, for what a step pays once where any drafts;
+#: 7 (6 was a reverted change): the ladder breadth first, every batch's
+#: first two sizes before the first batches' long ones).
+STEP_REVISION = 7
 #: ``cost_model="off"``: relative cost of each extra query token.
 ASSUMED_PER_TOKEN = 0.1
 #: A timed run during which other processes kept more cores than this busy
