@@ -280,7 +280,7 @@ def measure_curve(
     for b in batches:
         go = go and fill(b, len(tokens))
     points = {b: monotone(pts) for b, pts in got.items()
-              if len(pts) >= 2 or (batches and b == batches[0] and pts)}
+              if len(pts) >= 2 or (b == batches[0] and pts)}
     return CostCurve(points)
 
 
