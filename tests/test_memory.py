@@ -398,6 +398,62 @@ def test_other_requests_window_ngrams_fill_a_trees_candidates():
     assert candidates(_state(AcceptancePrior(max_cands=3), reads=False), text, False, mem) == []
 
 
+def test_followers_table_fed_with_the_text_newest_first_scoped_bounded_cleared():
+    mem = SharedMemory(1024, delay=4)
+    before = mem.nbytes()
+    a = mem.open(0, _toks(1, 2, 3))
+    mem.extend(a, _toks(5, 10, 11, 12, 13, 5, 20, 21))
+    # a place is indexed once ``delay`` tokens follow it: 5 -> (10, 11, 12)
+    # is in, the second 5's continuation (20, 21, ...) not yet complete
+    assert mem.followers(0, 5) == [(10, 11, 12)]
+    mem.extend(a, _toks(22, 23))
+    assert mem.followers(0, 5) == [(20, 21, 22), (10, 11, 12)]
+    # another scope's text: never
+    b = mem.open(scope_of("t"), _toks(9))
+    mem.extend(b, _toks(5, 30, 31, 32, 33, 34))
+    assert mem.followers(0, 5)[0] == (20, 21, 22)
+    assert mem.followers(scope_of("t"), 5) == [(30, 31, 32)]
+    # a place near the end of a closed document: only full continuations
+    mem.close(a)
+    assert all(len(c) == 3 for c in mem.followers(0, 23) + mem.followers(0, 22))
+    # fixed size, whatever it holds; gone with clear
+    rng = np.random.default_rng(9)
+    for _ in range(50):
+        d = mem.open(0, _text(rng, 20))
+        mem.extend(d, _text(rng, 40))
+        mem.close(d)
+    assert mem.nbytes() <= before + 2 * 2**10 * 64  # the documents' arrays only
+    mem.clear()
+    assert mem.followers(0, 5) == [] and mem.followers(scope_of("t"), 5) == []
+
+
+def test_lookup_without_own_ngram_drafts_what_followed_the_token_elsewhere():
+    mem = SharedMemory(4096, delay=4)
+    other = mem.open(0, _toks(60, 61))
+    mem.extend(other, _toks(3, 70, 71, 72, 73, 74))
+    mem.add_ngram(0, 3, (40, 41, 42))  # a window's n-gram: the text wins
+    state = _state(AcceptancePrior(max_cands=3))
+    text = _toks(9, 8, 7, 3)
+    assert lookup(state, text, len(text), 4, False, mem) == [70, 71, 72]
+    assert state.lookup_kind == "memory1"
+    assert state.lookup_sources == [SOURCE_MEMORY] * 3
+    # its own pool's n-gram for the token comes first (kind pool)
+    own = _state(AcceptancePrior(max_cands=3))
+    own.pool.add(3, (80, 81, 82), "prompt")
+    assert lookup(own, text, len(text), 4, False, mem) == [80, 81, 82]
+    assert own.lookup_kind == "pool"
+    # a request that does not read the memory: nothing
+    assert lookup(_state(AcceptancePrior(max_cands=3), reads=False), text, len(text), 4,
+                  False, mem) == []
+    # learnt as a guess: no agreement class moves
+    prior = AcceptancePrior(max_cands=3)
+    acc = _state(prior).acc
+    total = sum(r.hits + r.misses for r in prior.agreement.values())
+    acc.observe_unchecked([70, 71], [70, 71], "memory1")
+    assert acc.unchecked["memory1"].hits > 0
+    assert sum(r.hits + r.misses for r in prior.agreement.values()) == pytest.approx(total)
+
+
 def test_jacobi_step_feeds_the_memory_only_for_requests_that_feed_it():
     from vllm_lookahead.drafting import jacobi_step
 

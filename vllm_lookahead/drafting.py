@@ -137,12 +137,14 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
     suffix may be up to :data:`LONG_MATCH` tokens long, and a match's
     continuation is cut to ``max(N, the match's length)``; else
     the pool's most often seen (then newest) continuation of the newest
-    token (without one: the newest another request's window produced).
+    token; without one, what followed that token last in the memory's text
+    (kind ``"memory1"``), else the newest n-gram another request's window
+    produced for it.
     ``tokens``: int [>= n_tok] the request's tokens. Sets
     ``state.lookup_sources`` and ``state.lookup_kind`` (the source, the
     key's length and the places' agreement on the first token,
     :func:`~vllm_lookahead.state.agreement`: ``"suffix3+"``,
-    ``"memory6-"``, ``"suffix16"``, ..., or ``"pool"``;
+    ``"memory6-"``, ``"suffix16"``, ..., ``"memory1"`` or ``"pool"``;
     :func:`~vllm_lookahead.acceptance.match_kind`)."""
     n = state.settings.ngram_size
     k = min(room if room > 0 else n, max(n, state.settings.lookup_len))
@@ -166,11 +168,19 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
             draft, source = mem, SOURCE_MEMORY
             state.lookup_kind = f"{match_kind('memory', m)}{agree}"
     if not draft:
-        cands = state.pool.get(int(tokens[n_tok - 1]))[: state.settings.guess_set_size]
+        newest = int(tokens[n_tok - 1])
+        cands = state.pool.get(newest)[: state.settings.guess_set_size]
         if not cands and memory is not None and state.memory_reads:
-            # no n-gram of its own: another request's window's, newest first
+            # no n-gram of its own: what followed the token in other
+            # requests' text, newest first (kind memory1), else what
+            # another request's window produced for it
             cands = [(c, 1, SOURCE_MEMORY)
-                     for c in memory.ngrams(state.memory_scope, int(tokens[n_tok - 1]))[:1]]
+                     for c in memory.followers(state.memory_scope, newest)[:1]]
+            if cands:
+                state.lookup_kind = "memory1"
+            else:
+                cands = [(c, 1, SOURCE_MEMORY)
+                         for c in memory.ngrams(state.memory_scope, newest)[:1]]
         best = choose_candidate([0] * len(cands), [c for _, c, _ in cands])
         if best >= 0:
             cont, _, source = cands[best]
