@@ -96,6 +96,10 @@ def _parse(argv):
     p.add_argument("--by-kind", action="store_true",
                    help="also print lookahead's drafts by lookup kind (source, key length, "
                         "the places' agreement on the first token)")
+    p.add_argument("--steps", action="store_true",
+                   help="decode the samples instead of drafting at every position: a "
+                        "sample moves on by the accepted draft plus one token a step, so "
+                        "a long copied span is drafted once (step compression, S)")
     p.add_argument("--out", default="benchmarks/results/replay_drafts.json")
     return p.parse_args(argv)
 
@@ -311,6 +315,62 @@ def replay(items: list[dict], drafter) -> dict:
     return out
 
 
+def decode(items: list[dict], drafter) -> dict:
+    """Decode ``items`` as :func:`replay` replays them, but as a decoding run
+    moves: every tick each live sample drafts once, moves on by the
+    accepted prefix plus one token (the verifier's own) and feeds all of
+    them to ``drafter``. Returns ``steps`` (ticks summed over samples),
+    ``tokens``, ``accepted``, ``drafted``, ``draft_tokens``, ``S`` (tokens
+    per step) and ``by_kind`` as :func:`replay`."""
+    steps = tokens = accepted = drafted = draft_tokens = 0
+    by_kind: dict[str, list[int]] = {}
+    rid = 0
+    for item in items:
+        prompt, samples = list(item["prompt"]), item["samples"]
+        ids = [f"r{rid + i}" for i in range(len(samples))]
+        rid += len(samples)
+        texts = [list(prompt) for _ in samples]
+        pos = [0] * len(samples)
+        for r in ids:
+            drafter.start(r, prompt)
+        while any(p < len(s) for p, s in zip(pos, samples)):
+            for i, s in enumerate(samples):
+                if pos[i] >= len(s):
+                    continue
+                # the first token of a sample is the prefill's: no draft
+                d = drafter.draft(ids[i], texts[i]) if pos[i] > 0 else []
+                a = accepted_len(d, s[pos[i]:]) if d else 0
+                a = min(a, len(s) - pos[i] - 1)
+                took = s[pos[i]:pos[i] + a + 1]
+                for tok in took:
+                    texts[i].append(int(tok))
+                    drafter.feed(ids[i], int(tok))
+                pos[i] += len(took)
+                steps += 1
+                tokens += len(took)
+                accepted += a
+                drafted += bool(d)
+                draft_tokens += len(d)
+                kind = getattr(drafter, "kind", None)
+                if d and kind is not None:
+                    row = by_kind.setdefault(kind, [0, 0, 0, 0])
+                    row[0] += 1
+                    row[1] += a > 0
+                    row[2] += a
+                    row[3] += len(d)
+        for r in ids:
+            drafter.stop(r)
+    out = dict(positions=steps, steps=steps, tokens=tokens, drafted=drafted,
+               draft_tokens=draft_tokens, accepted=accepted,
+               draft_per_pos=draft_tokens / max(steps, 1),
+               accepted_per_pos=accepted / max(steps, 1),
+               rate=accepted / max(draft_tokens, 1), S=tokens / max(steps, 1))
+    if by_kind:
+        out["by_kind"] = {k: dict(drafts=n, first=f / n, accepted=a / n, tokens=t / n)
+                          for k, (n, f, a, t) in sorted(by_kind.items())}
+    return out
+
+
 def as_passes(items: list[dict]) -> list[dict]:
     """The same samples as single requests asked again and again: pass k
     asks every prompt once, answered by its k-th sample."""
@@ -321,11 +381,12 @@ def as_passes(items: list[dict]) -> list[dict]:
 
 def _table(results: dict) -> str:
     lines = [f"{'set':10s} {'method':14s} {'positions':>9s} {'drafted':>8s} "
-             f"{'tok/pos':>8s} {'acc/pos':>8s} {'rate':>6s}"]
+             f"{'tok/pos':>8s} {'acc/pos':>8s} {'rate':>6s} {'S':>6s}"]
     for ds, by in results.items():
         for m, r in by.items():
             lines.append(f"{ds:10s} {m:14s} {r['positions']:9d} {r['drafted'] / max(r['positions'], 1):8.2f} "
-                         f"{r['draft_per_pos']:8.2f} {r['accepted_per_pos']:8.3f} {r['rate']:6.3f}")
+                         f"{r['draft_per_pos']:8.2f} {r['accepted_per_pos']:8.3f} {r['rate']:6.3f}"
+                         f" {r.get('S', float('nan')):6.3f}")
     return "\n".join(lines)
 
 
@@ -381,7 +442,8 @@ def main(argv=None) -> None:
         samples_path.write_text(json.dumps({"config": config, "sets": data}))
     if args.repeat:
         data = {ds: as_passes(items) for ds, items in data.items()}
-    results = {ds: {name: replay(items, make()) for name, make in drafters().items()}
+    run = decode if args.steps else replay
+    results = {ds: {name: run(items, make()) for name, make in drafters().items()}
                for ds, items in data.items()}
     print(_table(results))
     if args.by_kind:
