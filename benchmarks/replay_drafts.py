@@ -43,6 +43,11 @@ Methods:
 
 Per method: draft tokens per position, accepted tokens per position (the
 tokens a step would gain if every position drafted), and their ratio.
+With ``--steps`` the samples are *decoded* instead: every tick each live
+sample drafts once and moves on by its accepted prefix plus one token (the
+verifier's own), as a decoding run moves, so a long copied span is drafted
+once, not at each of its positions; ``S`` is then tokens per step (every
+method drafting at every step, whatever a draft costs).
 What a draft costs is left out: that is the planner's side (and the timed
 benchmarks'). With ``--by-kind``, lookahead's drafts (``lookahead``,
 ``lookahead:16``) by lookup kind as the planner learns them apart
@@ -51,7 +56,7 @@ on the first token): the share whose first token matched, accepted and
 drafted tokens per draft.
 
     .venv/bin/python benchmarks/replay_drafts.py [--n 16] [--prompts 8] \\
-        [--samples benchmarks/results/replay_samples.json] [--by-kind]
+        [--samples benchmarks/results/replay_samples.json] [--by-kind] [--steps]
 
 Prints the table, writes ``benchmarks/results/replay_drafts.json`` and a
 plot next to it.
