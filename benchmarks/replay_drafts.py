@@ -271,22 +271,66 @@ def accepted_len(draft: list[int], actual: list[int]) -> int:
     return a
 
 
+class _Tally:
+    """What :func:`replay` and :func:`decode` count: per drafting position
+    (or step) the draft and its accepted prefix, and lookahead's drafts by
+    lookup kind (``drafter.kind``)."""
+
+    def __init__(self) -> None:
+        self.positions = self.draft_tokens = self.accepted = self.drafted = 0
+        # kind -> [drafts, first token right, accepted, tokens]
+        self.by_kind: dict[str, list[int]] = {}
+
+    def book(self, drafter, d: list[int], a: int) -> None:
+        """A position that drafted ``d`` (maybe nothing), ``a`` accepted."""
+        self.positions += 1
+        self.draft_tokens += len(d)
+        self.drafted += bool(d)
+        self.accepted += a
+        kind = getattr(drafter, "kind", None)
+        if d and kind is not None:
+            row = self.by_kind.setdefault(kind, [0, 0, 0, 0])
+            row[0] += 1
+            row[1] += a > 0
+            row[2] += a
+            row[3] += len(d)
+
+    def summary(self) -> dict:
+        p = max(self.positions, 1)
+        out = dict(positions=self.positions, drafted=self.drafted,
+                   draft_tokens=self.draft_tokens, accepted=self.accepted,
+                   draft_per_pos=self.draft_tokens / p, accepted_per_pos=self.accepted / p,
+                   rate=self.accepted / max(self.draft_tokens, 1))
+        if self.by_kind:
+            out["by_kind"] = {k: dict(drafts=n, first=f / n, accepted=a / n, tokens=t / n)
+                              for k, (n, f, a, t) in sorted(self.by_kind.items())}
+        return out
+
+
+def _requests(items: list[dict], drafter):
+    """Per prompt of ``items``, in order: its samples' request ids, the
+    samples, and each sample's text so far (the prompt), the requests
+    started in ``drafter`` before and stopped after."""
+    rid = 0
+    for item in items:
+        prompt, samples = list(item["prompt"]), item["samples"]
+        ids = [f"r{rid + i}" for i in range(len(samples))]
+        rid += len(samples)
+        for r in ids:
+            drafter.start(r, prompt)
+        yield ids, samples, [list(prompt) for _ in samples]
+        for r in ids:
+            drafter.stop(r)
+
+
 def replay(items: list[dict], drafter) -> dict:
     """Replay ``items`` (``{"prompt", "samples"}`` per prompt, in order)
     through ``drafter``: the samples of a prompt in lockstep, a draft for
     every sample before every token but its first. Returns ``positions``,
     ``draft_tokens`` and ``accepted`` summed, ``drafted`` (positions with a
     draft) and their ratios."""
-    positions = draft_tokens = accepted = drafted = 0
-    by_kind: dict[str, list[int]] = {}  # kind -> [drafts, first token right, accepted, tokens]
-    rid = 0
-    for item in items:
-        prompt, samples = list(item["prompt"]), item["samples"]
-        ids = [f"r{rid + i}" for i in range(len(samples))]
-        rid += len(samples)
-        texts = [list(prompt) for _ in samples]
-        for r in ids:
-            drafter.start(r, prompt)
+    tally = _Tally()
+    for ids, samples, texts in _requests(items, drafter):
         for t in range(max((len(s) for s in samples), default=0)):
             for i, s in enumerate(samples):
                 if 0 < t <= len(s):
@@ -296,83 +340,36 @@ def replay(items: list[dict], drafter) -> dict:
                 if t == 0 or t >= len(s):
                     continue
                 d = drafter.draft(ids[i], texts[i])
-                a = accepted_len(d, s[t:])
-                positions += 1
-                draft_tokens += len(d)
-                drafted += bool(d)
-                accepted += a
-                kind = getattr(drafter, "kind", None)
-                if d and kind is not None:
-                    row = by_kind.setdefault(kind, [0, 0, 0, 0])
-                    row[0] += 1
-                    row[1] += a > 0
-                    row[2] += a
-                    row[3] += len(d)
-        for r in ids:
-            drafter.stop(r)
-    p = max(positions, 1)
-    out = dict(positions=positions, drafted=drafted, draft_tokens=draft_tokens,
-               accepted=accepted, draft_per_pos=draft_tokens / p, accepted_per_pos=accepted / p,
-               rate=accepted / max(draft_tokens, 1))
-    if by_kind:
-        out["by_kind"] = {k: dict(drafts=n, first=f / n, accepted=a / n, tokens=t / n)
-                          for k, (n, f, a, t) in sorted(by_kind.items())}
-    return out
+                tally.book(drafter, d, accepted_len(d, s[t:]))
+    return tally.summary()
 
 
 def decode(items: list[dict], drafter) -> dict:
     """Decode ``items`` as :func:`replay` replays them, but as a decoding run
     moves: every tick each live sample drafts once, moves on by the
     accepted prefix plus one token (the verifier's own) and feeds all of
-    them to ``drafter``. Returns ``steps`` (ticks summed over samples),
-    ``tokens``, ``accepted``, ``drafted``, ``draft_tokens``, ``S`` (tokens
-    per step) and ``by_kind`` as :func:`replay`."""
-    steps = tokens = accepted = drafted = draft_tokens = 0
-    by_kind: dict[str, list[int]] = {}
-    rid = 0
-    for item in items:
-        prompt, samples = list(item["prompt"]), item["samples"]
-        ids = [f"r{rid + i}" for i in range(len(samples))]
-        rid += len(samples)
-        texts = [list(prompt) for _ in samples]
+    them to ``drafter``. Returns :func:`replay`'s figures per step
+    (``positions``: steps summed over samples), and ``steps``, ``tokens``
+    and ``S`` (tokens per step)."""
+    tally, tokens = _Tally(), 0
+    for ids, samples, texts in _requests(items, drafter):
         pos = [0] * len(samples)
-        for r in ids:
-            drafter.start(r, prompt)
         while any(p < len(s) for p, s in zip(pos, samples)):
             for i, s in enumerate(samples):
                 if pos[i] >= len(s):
                     continue
                 # the first token of a sample is the prefill's: no draft
                 d = drafter.draft(ids[i], texts[i]) if pos[i] > 0 else []
-                a = accepted_len(d, s[pos[i]:]) if d else 0
-                a = min(a, len(s) - pos[i] - 1)
+                a = min(accepted_len(d, s[pos[i]:]), len(s) - pos[i] - 1)
                 took = s[pos[i]:pos[i] + a + 1]
                 for tok in took:
                     texts[i].append(int(tok))
                     drafter.feed(ids[i], int(tok))
                 pos[i] += len(took)
-                steps += 1
                 tokens += len(took)
-                accepted += a
-                drafted += bool(d)
-                draft_tokens += len(d)
-                kind = getattr(drafter, "kind", None)
-                if d and kind is not None:
-                    row = by_kind.setdefault(kind, [0, 0, 0, 0])
-                    row[0] += 1
-                    row[1] += a > 0
-                    row[2] += a
-                    row[3] += len(d)
-        for r in ids:
-            drafter.stop(r)
-    out = dict(positions=steps, steps=steps, tokens=tokens, drafted=drafted,
-               draft_tokens=draft_tokens, accepted=accepted,
-               draft_per_pos=draft_tokens / max(steps, 1),
-               accepted_per_pos=accepted / max(steps, 1),
-               rate=accepted / max(draft_tokens, 1), S=tokens / max(steps, 1))
-    if by_kind:
-        out["by_kind"] = {k: dict(drafts=n, first=f / n, accepted=a / n, tokens=t / n)
-                          for k, (n, f, a, t) in sorted(by_kind.items())}
+                tally.book(drafter, d, a)
+    out = tally.summary()
+    out.update(steps=tally.positions, tokens=tokens, S=tokens / max(tally.positions, 1))
     return out
 
 

@@ -1087,6 +1087,42 @@ def test_replay_lookahead_memory_drafts_an_earlier_requests_text():
     assert replay_drafts.replay(lockstep, replay_drafts.LookaheadDrafter(True))["accepted"] == 0
 
 
+def test_decode_moves_each_sample_by_its_accepted_draft_plus_one():
+    """``--steps``: a sample moves on by the accepted prefix plus the
+    verifier's token, so an oracle drafting K tokens takes about K + 1
+    tokens a step, and nothing drafted one token a step; the first token
+    (the prefill's) never drafts."""
+    import replay_drafts
+
+    text = list(range(2000, 2021))  # 21 tokens
+
+    class Oracle:
+        def __init__(self, k):
+            self.k = k
+
+        def start(self, rid, prompt):
+            self.n = len(prompt)
+
+        def feed(self, rid, token):
+            pass
+
+        def draft(self, rid, seen):
+            at = len(seen) - self.n
+            return text[at: at + self.k]
+
+        def stop(self, rid):
+            pass
+
+    items = [{"prompt": [1, 2, 3], "samples": [text]}]
+    none = replay_drafts.decode(items, Oracle(0))
+    assert none["steps"] == none["tokens"] == len(text) and none["S"] == 1.0
+    four = replay_drafts.decode(items, Oracle(4))
+    # 1 (prefill) + 4 steps of 5 tokens
+    assert four["tokens"] == len(text) and four["steps"] == 5
+    assert four["accepted"] == 16 and four["drafted"] == 4
+    assert four["S"] == pytest.approx(len(text) / 5)
+
+
 def test_replay_counts_lookahead_drafts_by_kind():
     """The repeat's drafts come from the memory's 12-token key, one place
     each (the first answer): ``memory12``, first tokens right; the kind
