@@ -45,7 +45,7 @@ Layout and bounds:
   after it): what followed a single token elsewhere, newest first, for a
   request whose own text has never seen its newest token followed (the
   lookup's last resort, kind ``memory1``; replayed n=4 samples, decoded:
-  tokens per step 1.109 to 1.149 on MT-Bench, 1.493 to 1.539 on HumanEval).
+  tokens per step 1.109 to 1.147 on MT-Bench, 1.493 to 1.537 on HumanEval).
 
 With the default capacity (131072 tokens) the whole memory is about 7 MB
 (:meth:`SharedMemory.nbytes`).
