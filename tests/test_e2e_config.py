@@ -103,11 +103,14 @@ def test_llm_runs_lookahead_on_tiny_model(tiny_model_path):
         verify = st["cost_model"]["verify_ms"]
         assert set(verify) == {"sampled", "greedy"}
         for table in verify.values():
-            assert "1" in table and all(len(v) == 4 and min(v) >= 0 for v in table.values())
+            # every batch size of the ladder up to max_num_seqs=4
+            assert set(table) == {"1", "2", "4"}
+            assert all(len(v) == 4 and min(v) >= 0 for v in table.values())
             assert table["1"][3] == 0.0
-        # top-p over the vocabulary and the recovered tokens' noise cost more
-        # than an argmax
-        assert verify["sampled"]["1"][0] > verify["greedy"]["1"][0]
+            # greedy bonus rows are never skipped: no bonus credit
+        assert all(v[2] == 0.0 for v in verify["greedy"].values())
+        # (Which kind costs more is a timing, measured in the benchmarks, not
+        # asserted here: under load it can read either way.)
         # No hard-coded batch-size cutoff any more: the planner decides.
         assert st["disable_batch_size"] == 0
         prompts = [TokensPrompt(prompt_token_ids=list(range(10 + i, 40))) for i in range(3)]
