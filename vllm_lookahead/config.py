@@ -95,7 +95,7 @@ class LookaheadConfig:
             rule; ``drafting.lookup``). 0 = N (the lookups draft no
             further than the trees), the default: on the CPUs measured,
             drafts past N moved templated work at batch 1 by -0.07 to
-            +0.11x vanilla (five runs) and n=4 work either way (README,
+            +0.11x vanilla (seven runs) and n=4 work either way (README,
             benchmark results); on CUDA the ``num_speculative_tokens`` it
             sets also rounds vLLM's graph capture sizes. Range 0..64.
         parent_latency: plan the n samples of one request
