@@ -211,7 +211,8 @@ def lazy_rejection(target, drafts, nd, bonus, is_greedy, kk, pp, gens, max_spec,
 
     _, _, out, uniform = _greedy_rows(target, drafts, nd, bonus, is_greedy, gens, max_spec)
     verify_sampled_rows(out, drafts, nd, target.clone(), kk, pp, bonus, uniform, is_greedy,
-                        gens, lambda x, k_, p_: top_k_top_p_rows(x, k_, p_, vllm_top_k_top_p),
+                        gens, lambda x, k_, p_, ties=None: top_k_top_p_rows(
+                            x, k_, p_, vllm_top_k_top_p, counts, ties=ties),
                         counts=counts)
     return out
 
@@ -273,3 +274,110 @@ def test_lazy_verification_keeps_the_distribution():
     tv = 0.5 * sum(abs(freq[0].get(k, 0) - freq[1].get(k, 0)) for k in keys) / total
     assert len(keys) > 4
     assert tv < 0.03, (tv, freq)
+
+
+def _setup_ties(seed, nd, vocab=4096):
+    """Draft rows whose nucleus cut falls inside a group of tied logits (as
+    bfloat16 logits give): a head of 2-4 tokens, a group of 4-12 tokens of
+    one logit, a long tail; p set so that the cut falls inside the group.
+    Drafts: head tokens (mostly accepted), tied tokens (only vLLM's sort
+    says whether kept), tail tokens (probability 0) and padded positions."""
+    g = torch.Generator().manual_seed(seed)
+    num_tokens = sum(nd)
+    logits = torch.randn(num_tokens, vocab, generator=g) - 4.0
+    pp = torch.empty(num_tokens)
+    drafts = torch.empty(num_tokens, dtype=torch.int32)
+    for r in range(num_tokens):
+        perm = torch.randperm(vocab, generator=g)
+        n_head = int(torch.randint(2, 5, (1,), generator=g))
+        n_tie = int(torch.randint(4, 13, (1,), generator=g))
+        head, tied = perm[:n_head], perm[n_head:n_head + n_tie]
+        logits[r, head] = 4.0 + 2.0 * torch.rand(n_head, generator=g)
+        logits[r, tied] = 2.5
+        probs = (logits[r] / 0.8).softmax(-1).double()  # at the temperature below
+        above = probs[head].sum()
+        q = float(probs[tied[0]])
+        # the cut after 1..n_tie-1 tied tokens, half-way between two places
+        k = int(torch.randint(1, n_tie, (1,), generator=g))
+        pp[r] = float(above) + (k - 0.5) * q
+        kind = float(torch.rand(1, generator=g))
+        drafts[r] = (int(head[0]) if kind < 0.45 else int(tied[0]) if kind < 0.6
+                     else int(perm[-1]) if kind < 0.95 else -1)
+    bonus = torch.randint(0, vocab, (len(nd), 1), generator=g, dtype=torch.int64)
+    is_greedy = torch.zeros(len(nd), dtype=torch.bool)
+    target = logits / 0.8
+    return target, drafts, bonus, is_greedy, pp
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_lazy_verification_decides_ties_as_vllm(seed):
+    """Rows whose cut falls inside a tie are decided without vLLM's sort
+    where the answer does not depend on which tied tokens it keeps: seeded
+    requests sample vLLM's tokens, token for token, and most such rows are
+    never sorted."""
+    nd = [3, 0, 6, 1, 4, 2, 5, 1] * 6
+    greedy = [False] * len(nd)
+    target, drafts, bonus, is_greedy, pp = _setup_ties(seed, nd)
+    want = vllm_rejection(target, drafts, nd, bonus, is_greedy, None, pp,
+                          _generators(nd, greedy, 7 + seed), 6)
+    counts = TopPCounts()
+    got = lazy_rejection(target, drafts, nd, bonus, is_greedy, None, pp,
+                         _generators(nd, greedy, 7 + seed), 6, counts)
+    assert torch.equal(got, want), (got, want)
+    assert counts.tie_rows > 10, counts
+    # tied draft tokens (about 15%) and tied recovered winners need the sort
+    assert counts.tie_rows_sorted < 0.5 * counts.tie_rows, counts
+    assert counts.fallback_rows == counts.tie_rows_sorted, counts
+
+
+def test_lazy_verification_keeps_the_distribution_with_ties():
+    """Unseeded requests on rows cut inside a tie: the recovered tokens
+    (drawn on the superset's noise, the sort taken only for a tied winner)
+    keep vLLM's frequencies."""
+    vocab, reqs = 12, 3000
+    row = torch.tensor([3.0, 2.0, 1.0, 1.0, 1.0, 1.0, -1.0, -2.0, -2.0, -3.0, -3.0, -4.0])
+    probs = row.softmax(-1).double()
+    p = float(probs[:2].sum() + 2.5 * probs[2])  # the cut inside the tie
+    target = row.repeat(reqs, 1)
+    drafts = torch.zeros(reqs, dtype=torch.int32)  # the head token, often rejected
+    bonus = torch.full((reqs, 1), 11, dtype=torch.int64)
+    nd = [1] * reqs
+    pp = torch.full((reqs,), p)
+    freq = []
+    for fn in (vllm_rejection, lazy_rejection):
+        torch.manual_seed(5)
+        counts: dict = {}
+        for _ in range(3):
+            out = fn(target, drafts, nd, bonus, None, None, pp, {}, 1)
+            for r in out[:, 0].tolist():
+                counts[r] = counts.get(r, 0) + 1
+        freq.append(counts)
+    keys = set(freq[0]) | set(freq[1])
+    total = 3 * reqs
+    tv = 0.5 * sum(abs(freq[0].get(k, 0) - freq[1].get(k, 0)) for k in keys) / total
+    assert len(keys) >= 3, freq
+    assert tv < 0.03, (tv, freq)
+
+
+def test_margin_covers_vllms_rounding():
+    """``MARGIN`` against what it guards: where vLLM's float32 sums (the
+    softmax, the cumulative sum over the sorted row) put the mass above
+    each of the row's largest tokens, against this module's float64 sums
+    over the window; kept well inside the margin."""
+    from vllm_lookahead.cpu_sampling import MARGIN, WINDOW
+
+    worst = 0.0
+    for bf16 in (False, True):
+        x = lm_like(16, seed=41 + bf16, bf16=bf16)
+        for scale in (1.25, 0.6, 0.3):
+            rows = x * scale
+            asc = rows.sort(dim=-1).values.softmax(dim=-1).cumsum(dim=-1)
+            top = rows.topk(WINDOW, dim=-1).values
+            mx = top[:, :1]
+            lse = mx.double() + torch.log(torch.exp(rows - mx).sum(-1, keepdim=True).double())
+            probs = torch.exp(top.double() - lse)
+            above = probs.cumsum(-1) - probs
+            vllm_above = 1 - asc.flip(-1)[:, :WINDOW].double()
+            d = torch.where(above < 0.9999, (vllm_above - above).abs(), 0.0)
+            worst = max(worst, float(d.max()))
+    assert 0 < worst < MARGIN / 4, worst

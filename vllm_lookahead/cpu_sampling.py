@@ -27,7 +27,11 @@ draft token than the forward does:
   keeps whichever its order puts last; bfloat16 logits tie often), the
   row's top-k (if any) is within the window, and p < 1. Every other row
   goes to vLLM's own function, so the kept set is vLLM's in every case but
-  those within float32 rounding of the threshold.
+  those within float32 rounding of the threshold. The verifier
+  (:func:`verify_sampled_rows`) takes a row whose only doubt is a tie
+  across the cut without the sort wherever its outcome does not depend on
+  which tied tokens vLLM keeps (:class:`_TieRow`): a quarter of the draft
+  rows on MT-Bench tied, 2 of 84 still sorted.
 * **exponential noise over the whole vocabulary for every request of the
   batch** (vLLM draws a ``[batch, vocab]`` tensor for the recovered tokens
   whenever any request drafts, about 1 ms per row):
@@ -55,6 +59,7 @@ on CUDA vLLM's top-p and noise run in Triton kernels).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +69,14 @@ import torch
 LAZY_VERIFY = False
 #: Largest logits looked at per row (the nucleus must end within them).
 WINDOW = 256
-#: Distance from p below which the cut is left to vLLM's own sums.
-MARGIN = 1e-4
+#: Distance from p below which the cut is left to vLLM's own sums. vLLM's
+#: (float32 softmax, a float32 cumulative sum over the sorted row) and
+#: this module's (float64 from the window, float32 log-sum-exp) differed
+#: by at most 3.1e-6 over 48,000 language-model-like rows (bfloat16 and
+#: float32, five temperatures; stop 48, ``benchmarks/HISTORY.md``): 2e-5
+#: leaves six times that. It was 1e-4 until stop 48, which sent one draft
+#: row in eight to the sort on MT-Bench.
+MARGIN = 2e-5
 
 
 @dataclass
@@ -82,6 +93,10 @@ class TopPCounts:
     verified_rows: int = 0
     bonus_rows: int = 0
     bonus_rows_sampled: int = 0
+    #: draft rows with a tie across the cut decided without vLLM's sort
+    #: (:class:`_TieRow`), and those of them that still needed it
+    tie_rows: int = 0
+    tie_rows_sorted: int = 0
 
 
 #: This process's counts (read by the workers' stats; one engine per
@@ -91,12 +106,20 @@ COUNTS = TopPCounts()
 
 def top_k_top_p_rows(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor,
                      fallback, counts: TopPCounts | None = None, window: int = WINDOW,
-                     margin: float = MARGIN) -> torch.Tensor:
+                     margin: float = MARGIN, ties: dict | None = None) -> torch.Tensor:
     """Mask ``logits`` ``[rows, vocab]`` (float, in place) to each row's
     top-k ``k`` ``[rows]`` (None: none; ``vocab``: none for that row) and
     then top-p nucleus ``p`` ``[rows]``, as ``fallback(logits, k, p)``
     (vLLM's ``apply_top_k_top_p``) would, and return them. Rows this
     function cannot decide exactly (module doc) are passed to ``fallback``.
+
+    ``ties`` (a dict): a row whose only doubt is a tie across the cut is
+    not sorted but masked below the cut, its whole tie group kept (a
+    superset of vLLM's kept set), and ``ties[row] = (cut, m)``: the cut's
+    logit and how many tokens vLLM keeps (those above the cut and
+    ``m`` less their count of the tied ones, which ones depending on the
+    order vLLM's unstable sort gives them). :func:`verify_sampled_rows`
+    decides most such rows without knowing which (:class:`_TieRow`).
     """
     rows, vocab = logits.shape
     if counts is not None:
@@ -136,7 +159,13 @@ def top_k_top_p_rows(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tens
     cut = top[idx, last].unsqueeze(1)  # the m-th logit
     # no tie across the cut: the largest logit outside the m kept ones is
     # the window's (m+1)-th (m < w), below the cut
-    ok &= top[idx, nxt] < cut.squeeze(1)
+    untied = top[idx, nxt] < cut.squeeze(1)
+    if ties is not None:
+        # a tie the only doubt: the row masked below the cut, ties kept
+        for row in (ok & ~untied).nonzero().squeeze(1).tolist():
+            ties[row] = (float(cut[row, 0]), int(m[row]))
+    else:
+        ok &= untied
     if bool(ok.all()):
         return logits.masked_fill_(masked < cut, float("-inf"))
     fine = ok.nonzero().squeeze(1)
@@ -238,8 +267,10 @@ def verify_sampled_rows(output: torch.Tensor, draft_token_ids: torch.Tensor,
             ``generate_uniform_probs``).
         is_greedy: bool ``[batch]`` or None (none greedy).
         generators: request index -> its ``torch.Generator``.
-        constrain: ``(logits, k, p) -> logits`` applying top-k/top-p to rows
-            (the verifier's ``apply_top_k_top_p``).
+        constrain: ``(logits, k, p, ties=None) -> logits`` applying
+            top-k/top-p to rows (the verifier's ``apply_top_k_top_p``:
+            :func:`top_k_top_p_rows`, which with a ``ties`` dict hands over
+            the rows whose cut falls in a tie, :class:`_TieRow`).
         q_dtype: the noise's dtype (float64 with vLLM's fp64 Gumbel).
     """
     batch = len(num_draft_tokens)
@@ -270,16 +301,32 @@ def verify_sampled_rows(output: torch.Tensor, draft_token_ids: torch.Tensor,
     while alive:
         rows = torch.tensor([starts[i] + d for i in alive], dtype=torch.long, device=device)
         sub = target_logits[rows]
+        ties: dict[int, tuple[float, int]] = {}
+        k_rows = None if top_k is None else top_k[rows]
+        p_rows = None if top_p is None else top_p[rows]
         if top_k is not None or top_p is not None:
-            sub = constrain(sub, None if top_k is None else top_k[rows],
-                            None if top_p is None else top_p[rows])
+            sub = constrain(sub, k_rows, p_rows, ties=ties)
         probs = sub.softmax(dim=-1, dtype=torch.float32)
         toks = draft_token_ids[rows].to(torch.long)
         p_tok = probs.gather(1, toks.clamp(min=0).unsqueeze(1)).squeeze(1)
-        accepted = ((toks >= 0) & (p_tok >= uniform_probs[rows].to(torch.float32))).tolist()
+        u_rows = uniform_probs[rows].to(torch.float32)
+        accepted = ((toks >= 0) & (p_tok >= u_rows)).tolist()
         if counts is not None:
             counts.verified_rows += len(alive)
         toks_list = toks.tolist()
+        tie_rows = {}
+        if ties:
+            if counts is not None:
+                counts.tie_rows += len(ties)
+            u_list = u_rows.tolist()
+            for j, (cut, m) in ties.items():
+                tie = tie_rows[j] = _TieRow(sub[j], cut, m)
+                acc = tie.accepts(toks_list[j], u_list[j])
+                if acc is None:
+                    probs[j] = tie.exact(target_logits[rows[j]], constrain, k_rows, p_rows,
+                                         j, counts)
+                    acc = toks_list[j] >= 0 and bool(probs[j, toks_list[j]] >= u_rows[j])
+                accepted[j] = acc
         nxt = []
         for j, i in enumerate(alive):
             if accepted[j]:
@@ -289,6 +336,18 @@ def verify_sampled_rows(output: torch.Tensor, draft_token_ids: torch.Tensor,
                 else:
                     nxt.append(i)
                 continue
+            tie = tie_rows.get(j)
+            if tie is not None and not tie.resolved:
+                q = inv_q.get(i)
+                tok = tie.recovered(toks_list[j], q)
+                if tok is not None:
+                    output[i, d] = tok
+                    continue
+                probs[j] = tie.exact(target_logits[rows[j]], constrain, k_rows, p_rows,
+                                     j, counts)
+                if q is None:  # the noise drawn on the superset's support
+                    q = tie.noise_row(vocab, q_dtype)
+                    inv_q[i] = q
             prob = probs[j]
             if toks_list[j] >= 0:
                 prob[toks_list[j]] = 0
@@ -299,3 +358,113 @@ def verify_sampled_rows(output: torch.Tensor, draft_token_ids: torch.Tensor,
             output[i, d] = int((prob * q.to(torch.float32)).argmax())
         alive = nxt
         d += 1
+
+
+#: How near a decision on a tie row (:class:`_TieRow`) may come to its
+#: threshold and still be taken without vLLM's sort: the acceptance test's
+#: probability against its uniform draw (absolute), the recovered token's
+#: product against the runner-up's (relative). vLLM computes both in
+#: float32 over the kept row (a sum of at most :data:`WINDOW` terms);
+#: the tie row's are float64 over a superset of it, normalised as vLLM's.
+TIE_GUARD = 1e-4
+
+
+class _TieRow:
+    """A sampled draft row whose nucleus cut falls inside a group of tied
+    logits (bfloat16 logits tie often), handed over by
+    :func:`top_k_top_p_rows` (``ties``) masked below the cut: the tokens
+    above the cut, all kept by vLLM, and the whole tie group, of which
+    vLLM keeps ``m`` less the tokens above (which ones: the order its
+    unstable sort gives them). The nucleus's mass is known without
+    knowing which, so:
+
+    * a draft token above the cut is accepted iff its probability (its
+      share of that mass) is at least the draft's uniform draw, as vLLM
+      tests it; one below the cut has probability 0; one in the tie group
+      needs the sort (:meth:`exact`);
+    * after a rejection the recovered token is the argmax of probability
+      times the request's noise over the kept tokens: taken over the
+      superset, a winner above the cut wins over every subset of it that
+      holds it, so it is vLLM's; a tied winner needs the sort, with the
+      same noise (drawn on the superset's support, which holds the kept
+      set's: the same independent draws, the same distribution).
+
+    Decisions within :data:`TIE_GUARD` of their threshold take the sort
+    too (float32 rounding). A seeded request's noise is its generator's
+    full draw, as vLLM's, so its tokens are vLLM's.
+    """
+
+    def __init__(self, row: torch.Tensor, cut: float, m: int) -> None:
+        self.row = row  # float [vocab] masked below the cut
+        self.cut = cut
+        self.support = (row >= cut).nonzero().squeeze(1)  # the superset, ascending
+        vals = row[self.support].double()
+        self.top = float(vals.max())
+        self.e = torch.exp(vals - self.top)  # unnormalised probabilities
+        above = vals > cut
+        tied_kept = m - int(above.sum())
+        self.z = float(self.e[above].sum()) + tied_kept * math.exp(cut - self.top)
+        self.resolved = False  # exact() taken: the row is vLLM's own
+        self._noise: torch.Tensor | None = None  # unseeded: on the support
+
+    def accepts(self, tok: int, u: float) -> bool | None:
+        """Whether vLLM accepts draft token ``tok`` against draw ``u``
+        (None: only the sort can say)."""
+        if tok < 0:
+            return False  # a padded position: rejected
+        x = float(self.row[tok])
+        if x < self.cut:
+            return 0.0 >= u  # masked: probability 0
+        if x == self.cut:
+            return None
+        p = math.exp(x - self.top) / self.z
+        if abs(p - u) <= TIE_GUARD:
+            return None
+        return p >= u
+
+    def recovered(self, tok: int, q: torch.Tensor | None) -> int | None:
+        """The recovered token after draft token ``tok`` was rejected,
+        ``q`` the request's noise (``[vocab]``, a seeded request's; None:
+        drawn here on the superset's support), or None (the sort decides)."""
+        e = self.e.clone()
+        if tok >= 0:
+            e[self.support == tok] = 0.0
+        if q is None:
+            self._noise = torch.zeros(len(e), dtype=torch.float64)
+            live = (e > 0).nonzero().squeeze(1)
+            self._noise[live] = torch.empty(len(live), dtype=torch.float64).exponential_() \
+                .reciprocal_()
+            noise = self._noise
+        else:
+            noise = q[self.support].double()
+        prod = e * noise
+        if len(prod) > 1:
+            two = prod.topk(2)
+            best, second = int(two.indices[0]), float(two.values[1])
+            if second >= float(two.values[0]) * (1.0 - TIE_GUARD):
+                return None
+        else:
+            best = 0
+        if float(prod[best]) <= 0.0:
+            return None  # no mass left: vLLM's tie-break over the row
+        token = int(self.support[best])
+        return token if float(self.row[token]) > self.cut else None
+
+    def exact(self, raw: torch.Tensor, constrain, k_rows, p_rows, j: int,
+              counts: TopPCounts | None) -> torch.Tensor:
+        """The row as vLLM computes it (``raw``: its logits before top-k and
+        top-p; ``constrain`` sorts it): its float32 probabilities."""
+        self.resolved = True
+        if counts is not None:
+            counts.tie_rows_sorted += 1
+        row = constrain(raw.unsqueeze(0).clone(), None if k_rows is None else k_rows[j:j + 1],
+                        None if p_rows is None else p_rows[j:j + 1])
+        return row.softmax(dim=-1, dtype=torch.float32)[0]
+
+    def noise_row(self, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+        """The noise :meth:`recovered` drew on the superset's support, as a
+        ``[vocab]`` row (0 elsewhere: the kept set's support is inside)."""
+        q = torch.zeros(vocab, dtype=dtype, device=self.row.device)
+        if self._noise is not None:
+            q[self.support] = self._noise.to(dtype)
+        return q

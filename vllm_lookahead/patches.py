@@ -605,10 +605,10 @@ def _cheap_cpu_verification() -> None:
     orig_top_k_top_p = rs.apply_top_k_top_p
 
     @functools.wraps(orig_top_k_top_p)
-    def apply_top_k_top_p(logits, k, p):
+    def apply_top_k_top_p(logits, k, p, ties=None):
         if p is None or logits.device.type != "cpu":
             return orig_top_k_top_p(logits, k, p)
-        return top_k_top_p_rows(logits, k, p, orig_top_k_top_p, COUNTS)
+        return top_k_top_p_rows(logits, k, p, orig_top_k_top_p, COUNTS, ties=ties)
 
     def sample_recovered_tokens(max_spec_len, num_draft_tokens, cu_num_draft_tokens,
                                 draft_token_ids, draft_probs, target_probs,

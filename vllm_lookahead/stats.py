@@ -165,6 +165,10 @@ def worker_stats(worker) -> dict | None:
 
     stats["verify_top_p_rows"] = COUNTS.rows
     stats["verify_top_p_fallback_rows"] = COUNTS.fallback_rows
+    # draft rows with a tie across the nucleus's cut decided without the
+    # sort, and those of them that still took it (cpu_sampling._TieRow)
+    stats["verify_tie_rows"] = COUNTS.tie_rows
+    stats["verify_tie_rows_sorted"] = COUNTS.tie_rows_sorted
     # sampled requests' draft rows verified lazily, and the rows computed
     # (up to each draft's first rejection; patch 15)
     stats["verify_draft_rows"] = COUNTS.draft_rows
