@@ -245,3 +245,42 @@ def test_measure_verify_times_accepted_and_rejected_drafts(verifier):
     assert hits and misses
     assert all(row[0] == 1 and row[1] >= 0 for out in hits for row in out)  # accepted, bonus
     assert all(row[0] != 511 and row[1] == -1 for out in misses for row in out)  # rejected
+
+
+def test_patched_verifier_samples_vllms_tokens(verifier, monkeypatch):
+    """Patch 15 as installed (its ``apply_sampling_constraints`` dividing by
+    the temperature itself and expanding top-k/top-p per draft token, the
+    lazy verification, the tie rows) against vLLM's own rejection sampler:
+    seeded requests (each draw from its generator), temperatures, top-k and
+    top-p by request, a greedy request among them: the same tokens."""
+    import vllm.v1.sample.rejection_sampler as rs
+
+    from vllm_lookahead import patches
+
+    vocab, b = 4096, 6
+    drafts = [[5, 6, 7], [], [8, 9], [10], [11, 12, 13, 14], [15, 16]]
+    md, rows = spec(drafts)
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(rows, vocab, generator=g)
+    logits[:, :24] += 6 + 4 * torch.rand(rows, 24, generator=g)
+    logits = logits.bfloat16().float()  # ties, as a bfloat16 model's
+    temperature = torch.tensor([0.8, 1.0, 0.0, 0.6, 1.3, 0.9])
+    top_k = torch.tensor([vocab, 40, vocab, 8, vocab, 100], dtype=torch.int32)
+    top_p = torch.tensor([0.95, 0.9, 1.0, 0.8, 0.99, 0.7])
+
+    def sampling(seed):
+        return metadata(b, temperature=temperature, all_random=False, top_k=top_k,
+                        top_p=top_p, output_token_ids=[], spec_token_ids=[],
+                        generators={i: torch.Generator().manual_seed(seed + i)
+                                    for i in range(b) if temperature[i] > 0})
+
+    for seed in range(0, 40, 10):
+        want = verifier(md, None, logits.clone(), sampling(seed)).sampled_token_ids
+        with monkeypatch.context() as m:
+            for name in ("apply_top_k_top_p", "sample_recovered_tokens",
+                         "apply_sampling_constraints", "rejection_sample"):
+                m.setattr(rs, name, getattr(rs, name))  # restored on exit
+            m.setattr(rs.RejectionSampler, "forward", rs.RejectionSampler.forward)
+            patches._cheap_cpu_verification()
+            got = verifier(md, None, logits.clone(), sampling(seed)).sampled_token_ids
+        assert got.tolist() == want.tolist(), seed

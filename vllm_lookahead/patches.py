@@ -466,6 +466,15 @@ def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_t
     output[:total] = torch.repeat_interleave(vals, counts).to(output.dtype)
 
 
+def _expand(x, cu_num_tokens, num_tokens: int, replace_from=0, replace_to=0):
+    """vLLM's ``expand_batch_to_tokens`` (``[batch]`` values to ``[num_tokens]``
+    by ``cu_num_tokens``) on the CPU: :func:`expand_kernel_impl` without the
+    Triton dispatcher in front of it."""
+    out = x.new_empty(num_tokens)
+    expand_kernel_impl(out, x, cu_num_tokens, replace_from, replace_to)
+    return out
+
+
 def _fix_cpu_expand_kernel() -> None:
     try:
         from vllm.utils import cpu_triton_utils
@@ -589,8 +598,6 @@ def _cheap_cpu_verification() -> None:
 
     if not current_platform.is_cpu():
         return
-    from dataclasses import replace
-
     import torch
     from vllm.v1.sample import rejection_sampler as rs
 
@@ -635,13 +642,16 @@ def _cheap_cpu_verification() -> None:
         if (sm.all_greedy or sm.max_num_logprobs is not None or logits.device.type != "cpu"
                 or (sm.top_k is None and sm.top_p is None)):
             return orig_constraints(logits, cu_num_draft_tokens, sm)
-        # vLLM's temperature, in place; top-k/top-p left for rejection_sample
-        logits = orig_constraints(logits, cu_num_draft_tokens, replace(sm, top_k=None, top_p=None))
+        # vLLM's temperature, in place, as its apply_sampling_constraints
+        # divides (greedy rows by 1); top-k/top-p left for rejection_sample.
+        # Expanded per draft token by expand_kernel_impl called directly
+        # (vLLM's expand_batch_to_tokens reaches it through its Triton
+        # dispatcher: 40-60 us a call on the CPU)
         num_tokens = logits.shape[0]
-        top_k = None if sm.top_k is None else rs.expand_batch_to_tokens(
-            sm.top_k, cu_num_draft_tokens, num_tokens)
-        top_p = None if sm.top_p is None else rs.expand_batch_to_tokens(
-            sm.top_p, cu_num_draft_tokens, num_tokens)
+        logits.div_(_expand(sm.temperature, cu_num_draft_tokens, num_tokens,
+                            rs.GREEDY_TEMPERATURE, 1).unsqueeze(-1))
+        top_k = None if sm.top_k is None else _expand(sm.top_k, cu_num_draft_tokens, num_tokens)
+        top_p = None if sm.top_p is None else _expand(sm.top_p, cu_num_draft_tokens, num_tokens)
         deferred["rows"] = (logits, top_k, top_p)
         return logits
 
