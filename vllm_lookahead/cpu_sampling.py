@@ -430,10 +430,10 @@ class _TieRow:
         if tok >= 0:
             e[self.support == tok] = 0.0
         if q is None:
-            self._noise = torch.zeros(len(e), dtype=torch.float64)
-            live = (e > 0).nonzero().squeeze(1)
-            self._noise[live] = torch.empty(len(live), dtype=torch.float64).exponential_() \
-                .reciprocal_()
+            # as _noise_on_support draws it, on the support (here the
+            # superset's, less the draft token)
+            self._noise = torch.zeros_like(e)
+            _noise_on_support(self._noise, e > 0)
             noise = self._noise
         else:
             noise = q[self.support].double()
