@@ -216,13 +216,17 @@ class SharedMemory:
         tags, grams = table_tags[row], table_grams[row]
         cont = np.asarray(cont, dtype=np.int32)
         at = HARVEST_WAYS - 1
-        for w in range(HARVEST_WAYS):
-            if tags[w] == tag and np.array_equal(grams[w], cont):
-                at = w
-                break
+        held = tags.tolist()  # one conversion, not a numpy scalar per way
+        if tag in held:
+            want = cont.tolist()
+            for w, t in enumerate(held):
+                if t == tag and grams[w].tolist() == want:
+                    at = w
+                    break
         # shift ways 0..at-1 down one, the n-gram in front
-        tags[1: at + 1] = tags[:at].copy()
-        grams[1: at + 1] = grams[:at].copy()
+        if at:
+            tags[1: at + 1] = tags[:at].copy()
+            grams[1: at + 1] = grams[:at].copy()
         tags[0], grams[0] = tag, cont
 
     def ngrams(self, scope: int, key: int) -> list[tuple[int, ...]]:
