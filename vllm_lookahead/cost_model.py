@@ -301,7 +301,9 @@ class CostModel:
       (``draft_tokens``: the whole step's, ``requests * (tokens - 1)``;
       ``drafting``: requests with a draft) fitted to the step times seen
       (weighted least squares with forgetting), starting from the curve
-      less its fixed jump from 1 to 2 rows (:meth:`plain`) as a prior.
+      less its fixed jump from 1 to 2 rows, its draft tokens priced at most
+      as one more token of a one-request step of as many tokens
+      (:meth:`plain`), as a prior.
       ``q`` and ``r`` matter: they are what a draft costs, which the
       tree-path curve does not tell; ``q`` moves off the curve's only as
       far as steps with different drafts show (an engine that drafts
@@ -368,7 +370,32 @@ class CostModel:
         self._memo: dict[tuple[int, float, bool], float] = {}
 
     def plain(self, batch: int, tokens: float) -> float:
-        """Curve seconds of a step without trees (see the class doc)."""
+        """Curve seconds of a step without trees (see the class doc): the
+        curve less its fixed jump from 1 to 2 rows, and never more per
+        draft token than a one-request step of as many query tokens pays
+        for one more (:meth:`_rows`)."""
+        c1 = self.curve.predict(batch, 1)
+        if tokens <= 1:
+            return c1
+        tree_path = self._rows(batch, tokens)
+        if batch <= 1:
+            return tree_path
+        # vLLM runs a step's rows as one batch of tokens: a draft token
+        # costs its linear layers what one more token of a step of as many
+        # tokens costs, whichever requests they belong to. The curve's
+        # steps of several requests go through the tree-attention path,
+        # whose cost per request (several times a plain row's per token at
+        # 16 requests on a 2-core Xeon) vLLM's rows do not pay; read as a
+        # draft's price there, it kept drafts off at 16 sampled sequences,
+        # where they paid (and a plane that sees no drafts never learns
+        # their slope).
+        rows = c1 + self._rows(1, batch * tokens) - self._rows(1, batch)
+        return max(min(tree_path, rows), c1)
+
+    def _rows(self, batch: int, tokens: float) -> float:
+        """The curve at ``batch`` requests of ``tokens`` query tokens, less
+        its fixed jump from 1 to 2 rows (the tree path's mask and
+        gather), at least its one-token step."""
         c1 = self.curve.predict(batch, 1)
         if tokens <= 1:
             return c1

@@ -314,13 +314,15 @@ class StepDrafter:
             # requests whose lookup this step cannot pay, the others off,
             # are off without the planner's search (its cost grows with the
             # batch; at 16 sequences most request-steps are off): those that
-            # cannot pay beside another drafting request; and all, where
-            # none of the others could pay as the step's only drafting one
-            # (the search moves one first: it pays the verifier's switch)
+            # cannot pay beside another drafting request; and a lone one
+            # left that could not pay as the step's only drafting one (it
+            # would pay the verifier's switch alone). Two or more that pay
+            # beside each other go to the planner, which weighs them
+            # drafting together (Planner.plan's second search).
             kept = [j for j, (r, v) in enumerate(zip(live, views))
                     if not _cannot_pay(self.planner, r, v, batch)]
-            if kept and all(_cannot_pay(self.planner, live[j], views[j], batch, alone=True)
-                            for j in kept):
+            if len(kept) == 1 and _cannot_pay(self.planner, live[kept[0]], views[kept[0]],
+                                              batch, alone=True):
                 kept = []
             shapes = [OFF] * len(live)
             for j, sh in zip(kept, self.planner.plan([views[j] for j in kept],
@@ -537,11 +539,12 @@ class QuietBatches:
                 self._pays = {}
         b = len(live)
         calibration = self.prior.calibration
-        # a quiet step: no request could pay even as the step's only
-        # drafting one (which pays the verifier's switch); a request on
-        # its own: not even beside another drafting one
+        # a quiet step: no request could pay beside another drafting one
+        # (two or more share the verifier's switch), nor, a request on its
+        # own, as the step's only drafting one (which pays the switch);
+        # a request apart: not even beside another drafting one
         quiet = not _pays(planner, self._pays, b, self._best,
-                          max(weights.values()) if weights else 1.0, calibration, alone=True)
+                          max(weights.values()) if weights else 1.0, calibration, alone=b < 2)
         keep = []
         for r in live:
             st = r.state
