@@ -374,11 +374,8 @@ class CostModel:
         curve less its fixed jump from 1 to 2 rows, and never more per
         draft token than a one-request step of as many query tokens pays
         for one more (:meth:`_rows`)."""
-        c1 = self.curve.predict(batch, 1)
-        if tokens <= 1:
-            return c1
         tree_path = self._rows(batch, tokens)
-        if batch <= 1:
+        if batch <= 1 or tokens <= 1:
             return tree_path
         # vLLM runs a step's rows as one batch of tokens: a draft token
         # costs its linear layers what one more token of a step of as many
@@ -389,6 +386,7 @@ class CostModel:
         # draft's price there, it kept drafts off at 16 sampled sequences,
         # where they paid (and a plane that sees no drafts never learns
         # their slope).
+        c1 = self.curve.predict(batch, 1)
         rows = c1 + self._rows(1, batch * tokens) - self._rows(1, batch)
         return max(min(tree_path, rows), c1)
 
