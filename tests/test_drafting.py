@@ -531,6 +531,54 @@ def test_a_request_whose_own_bound_cannot_pay_is_left_out():
     assert stats.requests_quiet == 1 and weak.lookup
 
 
+def test_the_search_leaves_out_trees_a_requests_bound_says_cannot_pay(monkeypatch):
+    """A mature request whose quiet bound's trees cannot pay (the prior's
+    tree gains 0) is planned with its drafts only (``search_trees`` False);
+    one whose trees may pay, one with a checked chain (its tree run goes
+    on) and a young one are planned with their trees."""
+    from vllm_lookahead.acceptance import LOOKUP_KINDS
+    from vllm_lookahead.step import QuietBatches, _trees_pay
+
+    step, stats, prior, text, tokens = _planned_step(0.9, 0.001, rows=2)
+    states = [new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
+                        tokens[i], len(text), len(text), None, False, 0, prior)
+              for i in range(2)]
+    for st in states:
+        st.acc.seen = QuietBatches.MATURE
+        for kind in LOOKUP_KINDS:
+            st.acc.unchecked[kind].hits, st.acc.unchecked[kind].misses = 90, 10
+    live = [Live(i, st, len(text), 3, []) for i, st in enumerate(states)]
+    seen = []
+    orig = step.planner.plan
+
+    def plan(views, *args, **kwargs):
+        seen.append([v.search_trees for v in views])
+        return orig(views, *args, **kwargs)
+
+    monkeypatch.setattr(step.planner, "plan", plan)
+    step.run(live, 2, 2, 3, True, tokens, lambda rows: [])  # joined: the bounds taken
+    assert seen[-1] == [False, False]
+    assert all(not st.plan for st in states)  # no tree planned
+    # trees that pay (their gains learnt high): weighed again
+    hopeful = states[1]
+    hopeful.acc.tree_cands = [2.0, 2.0]
+    hopeful.quiet_best = None
+    step.quiet._bound(live[1], 3, True)
+    assert not _trees_pay(step.planner, live[0], _view(live[0], tokens), 2)
+    assert _trees_pay(step.planner, live[1], _view(live[1], tokens), 2)
+    # a checked chain, or a young request: weighed whatever the bound
+    chained = Live(0, states[0], len(text), 3, [6, 9, 4])
+    assert _trees_pay(step.planner, chained, _view(chained, tokens), 2)
+    states[0].acc.seen = QuietBatches.MATURE - 1
+    assert _trees_pay(step.planner, live[0], _view(live[0], tokens), 2)
+
+
+def _view(r, tokens):
+    from vllm_lookahead.step import _request_view
+
+    return _request_view(r, tokens, True)
+
+
 def test_requests_left_off_after_their_lookup_are_off_in_the_full_plan(monkeypatch):
     """A mature request whose lookup cannot pay with the others off is left
     off without the planner's search (``requests_unpaid``), and the step's
@@ -713,13 +761,13 @@ def test_a_closed_batch_is_planned_for_its_end():
     assert step._weights(live, 3, closed=True) == (None, set())
 
 
-def test_a_steps_weights_are_held_while_the_samples_move_in_step():
+def test_a_steps_weights_are_held_while_the_samples_move_nearly_in_step():
     """The samples' weights (the end-share integral, the proposer's
     costliest numpy) are taken once every ``WEIGHTS_EVERY`` steps while the
-    batch keeps its requests and size and every request gains one token a
-    step; again at once where a request gains more (an accepted draft moves
-    it against its siblings), leaves or joins, the batch size moves or
-    ``closed`` flips. Held, they are the weights last taken, by request,
+    batch keeps its requests and size and no request gains more than
+    ``WEIGHTS_SLACK`` tokens beyond one a step; again at once where one
+    does (accepted drafts move it against its siblings), leaves or joins,
+    the batch size moves or ``closed`` flips. Held, they are the weights last taken, by request,
     whatever its row."""
     step, stats, prior, text, tokens = _planned_step(0.9, 0.001, rows=3, parent_latency=True)
     states = _capped_states(prior, tokens, text, (1, 9, 2), ("p", "p", None))
@@ -744,21 +792,24 @@ def test_a_steps_weights_are_held_while_the_samples_move_in_step():
     t = step.WEIGHTS_EVERY  # old enough: taken again
     again = step._step_weights(at(t), 3, False)
     assert len(taken) == 2 and again == orig(at(t), 3)
-    # the laggard accepts 6 draft tokens: its weight falls at once
-    moved = step._step_weights(at(t + 1, extra=(6, 0, 0)), 3, False)
-    assert len(taken) == 3 and moved[0][0] < again[0][0] - 0.5
+    # the laggard accepts WEIGHTS_SLACK draft tokens: still held
+    assert step._step_weights(at(t + 1, extra=(step.WEIGHTS_SLACK, 0, 0)), 3, False) == again
+    assert len(taken) == 2
+    # ... 6: its weight falls at once
+    moved = step._step_weights(at(t + 2, extra=(6, 0, 0)), 3, False)
+    assert len(taken) == 3 and moved[0][0] < again[0][0] - 0.4
     # rows reordered (vLLM condenses its batch), in step: each keeps its own
-    w, planned = step._step_weights(at(t + 2, extra=(6, 0, 0), rows=(2, 1, 0)), 3, False)
+    w, planned = step._step_weights(at(t + 3, extra=(6, 0, 0), rows=(2, 1, 0)), 3, False)
     assert len(taken) == 3
     assert w == {2 - i: x for i, x in moved[0].items()} and planned == {2 - i for i in moved[1]}
     # a request leaves, the size moves, or closed flips: taken at once
-    two = at(t + 3, extra=(6, 0, 0))[:2]
+    two = at(t + 4, extra=(6, 0, 0))[:2]
     step._step_weights(two, 3, False)
     step._step_weights(two, 2, False)
     step._step_weights(two, 2, True)
     assert len(taken) == 6
     # no siblings and not closed: _weights' cheap None, nothing held
-    alone = at(t + 4, extra=(6, 0, 0))[2:]
+    alone = at(t + 5, extra=(6, 0, 0))[2:]
     assert step._step_weights(alone, 1, False) == (None, set())
     assert step._held_weights is None
     # a new request in a finished one's place (same count, in step) is not held over

@@ -284,6 +284,27 @@ def test_a_step_pays_the_verifiers_switch_once():
     assert alone[0] > beside[0] and alone[1] == beside[1]
 
 
+def test_pay_weights_keep_their_prices_only_while_the_cost_model_does():
+    """``Planner.pay_weights`` keeps the drafts' prices between two of the
+    cost model's agreements (a request's own rate is weighed against them
+    every step): the same answers as a planner that kept nothing, before
+    and after an agreement that makes every plain step dearer (it moves
+    them)."""
+    def pairs(planner, cm):
+        return [planner.pay_weights(b, BestCase(p_unchecked=p, max_draft=k, trees={},
+                                                sampled=True), alone)
+                for b in (1, 4, 16) for p in (0.2, 0.6) for k in (2, 5) for alone in (0, 1)]
+
+    cm = model(amx)
+    kept = Planner(cm)
+    before = pairs(kept, cm)
+    assert before == pairs(Planner(cm), cm)
+    line = (2 * cm.predict(16, 1.0, tree=False), 0.0, 0.001, 0.0)
+    cm.agreed({(b, False): line for b in (1, 4, 16)})
+    after = pairs(kept, cm)
+    assert after == pairs(Planner(cm), cm) and after != before
+
+
 def test_drafts_that_pay_only_together_are_planned_together():
     """The verifier's switch is paid once where any request drafts. Weak
     drafts that each pay beside another drafting request, but none as the
@@ -908,6 +929,26 @@ def test_exploration_is_bounded_priced_and_stops_once_learnt():
     before = planner.explored
     assert all(planner.plan([v], explore=True)[0] == OFF for _ in range(400))
     assert planner.explored == before
+
+
+def test_trees_left_out_of_the_search_are_still_explored():
+    """``RequestView.search_trees`` False (its bound says no tree of it
+    pays, ``step._trees_pay``): the search weighs its drafts only, even
+    where a tree would be its best shape, but exploration still gives it a
+    tree within its share of the planned time."""
+    planner = Planner(model(amx))
+    high = view(acceptance(**HIGH), chain=2, unchecked=0)
+    assert planner.plan([high])[0].kind == "tree"  # weighed: a tree wins
+    left = view(acceptance(**HIGH), chain=2, unchecked=0, search_trees=False)
+    assert all(s.kind != "tree" for s in planner.shapes(left, 1))
+    assert any(s.kind == "tree" for s in planner.shapes(left, 1, trees=True))
+    assert planner.plan([left])[0].kind == "draft"
+    explorer = Planner(model(amx))
+    v = view(acceptance(**ZERO), chain=0, unchecked=0, search_trees=False)
+    plans = [explorer.plan([v], explore=True)[0] for _ in range(400)]
+    trees = [s for s in plans if s.kind == "tree"]
+    assert 0 < len(trees) < 40 and explorer.explored == len(trees)
+    assert explorer.explore_s <= Planner.EXPLORE_SHARE * explorer.planned_s + 1e-12
 
 
 # -- samples of one parent ----------------------------------------------------------

@@ -368,6 +368,9 @@ class CostModel:
         #: the curve and the agreed corrections only; the planner asks the
         #: same few questions for every request of every step).
         self._memo: dict[tuple[int, float, bool], float] = {}
+        #: :meth:`agreed` calls so far (what the planner keeps of the
+        #: model's answers is kept for one generation)
+        self.generation = 0
 
     def plain(self, batch: int, tokens: float) -> float:
         """Curve seconds of a step without trees (see the class doc): the
@@ -559,6 +562,7 @@ class CostModel:
     def agreed(self, factors: dict) -> None:
         self.factors = dict(factors)
         self._memo.clear()
+        self.generation += 1
 
     def snapshot(self) -> dict:
         corr = {}

@@ -121,6 +121,10 @@ class RequestView:
             drafting request's ``verify``:
             :meth:`~vllm_lookahead.cost_model.CostModel.switch`); a plan
             charges its requests' largest once.
+        search_trees: whether :meth:`Planner.plan`'s search weighs the
+            request's trees (False: its bound says none of them pays this
+            step, every other request off: ``step._trees_pay``; a tree may
+            still be given to it to explore, :meth:`Planner._explore`).
     """
 
     acc: RequestAcceptance
@@ -139,6 +143,7 @@ class RequestView:
     bonus: float = 0.0
     kinds: tuple[str, ...] | None = None
     switch: float = 0.0
+    search_trees: bool = True
 
     def draft_p(self, tree: bool = False) -> float:
         """Per-token acceptance of the draft this request hands the
@@ -429,9 +434,16 @@ class Planner:
         #: ``cpu_sampling.verify_sampled_rows``): a draft's verification is
         #: priced by the rows expected (:func:`verified_rows`).
         self.lazy_verify = False
+        #: :meth:`_draft_costs` kept, and the cost model's generation they
+        #: were taken at
+        self._costs: dict = {}
+        self._costs_gen = None
 
     # -- the shapes of one request ------------------------------------------------
-    def shapes(self, v: RequestView, batch: int) -> list[Shape]:
+    def shapes(self, v: RequestView, batch: int, trees: bool | None = None) -> list[Shape]:
+        """The shapes request ``v`` may take in a ``batch``-request step,
+        :data:`OFF` first; its trees where it may run them (``v.trees``)
+        and ``trees`` (None: ``v.search_trees``)."""
         if v.fixed is not None:
             return [v.fixed]
         out = [OFF]
@@ -451,7 +463,7 @@ class Planner:
                 out.append(Shape("draft", draft=k,
                                  tokens=1 + acc.unchecked_gain(k, v.lookup_kind),
                                  extra_s=v.verify_s(k, p)))
-        if not v.trees:
+        if not v.trees or not (v.search_trees if trees is None else trees):
             return out
         n = v.ngram_size
         checked = acc.checked.p
@@ -644,36 +656,63 @@ class Planner:
         drafting request (the bound of a request whatever the others do)."""
         if batch <= 0 or best.max_draft <= 0:
             return math.inf, math.inf
+        lam, c0, costs = self._draft_costs(batch, best.max_draft, best.sampled, alone)
+        # pays where weight * gain > cost: the least weight over the shapes
+        # (-inf: one whose cost is below 0 pays at any weight)
+        drafts = trees = math.inf
+        for k, cost in costs:
+            gain = geometric_gain(best.p_unchecked, k)
+            if gain > 0:
+                drafts = min(drafts, cost / gain)
+            elif cost < 0:
+                drafts = -math.inf
+        for gain, nodes in best.trees.values():
+            sec = self.cost.predict(batch, (batch + nodes) / batch, tree=True, drafting=1)
+            cost = lam * (sec - c0) + 1e-12
+            if gain > 0:
+                trees = min(trees, cost / gain)
+            elif cost < 0:
+                trees = -math.inf
+        return drafts, trees
+
+    def _draft_costs(self, batch: int, max_draft: int, sampled: bool,
+                     alone: bool) -> tuple[float, float, tuple]:
+        """:meth:`pay_weights`' prices, in tokens of the plain step, of the
+        drafts of :func:`draft_lengths` ``(max_draft)`` beyond a plain
+        ``batch``-request step, the others off, ``(k, cost)`` each, with the
+        plain step's tokens per second and seconds: the same until the cost
+        model's correction moves (``CostModel.generation``), so kept
+        (``_cannot_pay`` weighs each request's own acceptance, a new
+        rate most steps, against them)."""
+        gen = getattr(self.cost, "generation", 0)
+        if self._costs_gen != gen or len(self._costs) >= 1024:
+            self._costs, self._costs_gen = {}, gen
+        key = (batch, max_draft, sampled, alone, self.lazy_verify)
+        got = self._costs.get(key)
+        if got is not None:
+            return got
         c0 = self.cost.predict(batch, 1.0, tree=False)
         lam = batch / c0  # the all-off plan's tokens per second
         # vLLM's verification of a draft, at least (none under a tree)
         first, nxt = self.verify_seen(batch, True)
         switch = self.switch(batch, True) if alone else 0.0
-        if not best.sampled:
+        if not sampled:
             g_first, g_next = self.verify_seen(batch, False)
             first, nxt = min(first, g_first), min(nxt, g_next)
             if alone:
                 switch = min(switch, self.switch(batch, False))
         first += switch
-
-        def weigh(least: float, gain: float, query: int, tree: bool, extra: float = 0.0) -> float:
-            sec = self.cost.predict(batch, (batch - 1 + query) / batch, tree=tree, drafting=1)
-            cost = lam * (sec + extra - c0) + 1e-12  # pays where weight * gain > cost
-            if gain > 0:
-                return min(least, cost / gain)
-            return -math.inf if cost < 0 else least
-
         # a draft rejected anywhere saves its bonus row where the verifier
         # samples it lazily (all sampled: the most it may save)
-        saved = self.bonus(batch) if best.sampled else 0.0
-        drafts = trees = math.inf
-        for k in draft_lengths(best.max_draft):
+        saved = self.bonus(batch) if sampled else 0.0
+        costs = []
+        for k in draft_lengths(max_draft):
             # a lazy verifier computes one row at least
-            drafts = weigh(drafts, geometric_gain(best.p_unchecked, k), 1 + k, False,
-                           first + nxt * (0 if self.lazy_verify else k - 1) - saved)
-        for gain, nodes in best.trees.values():
-            trees = weigh(trees, gain, 1 + nodes, True)
-        return drafts, trees
+            extra = first + nxt * (0 if self.lazy_verify else k - 1) - saved
+            sec = self.cost.predict(batch, (batch + k) / batch, tree=False, drafting=1)
+            costs.append((k, lam * (sec + extra - c0) + 1e-12))
+        got = self._costs[key] = (lam, c0, tuple(costs))
+        return got
 
     def plan(self, views: list[RequestView], max_tree_tokens: int = 0,
              others: int = 0, explore: bool = False) -> list[Shape]:
@@ -781,7 +820,7 @@ class Planner:
             + (switch if any(c.draft > 0 for c in chosen) else 0.0)
         self.planned_s += sec
         if not any(c.kind == "tree" for c in chosen):
-            self._explore(chosen, options, views, sec, seconds, max_tree_tokens, switch)
+            self._explore(chosen, options, views, sec, seconds, max_tree_tokens, switch, batch)
         return chosen
 
     def may_explore(self, batch: int, nodes: int) -> bool:
@@ -798,7 +837,7 @@ class Planner:
             batch, 1.0, tree=False)
 
     def _explore(self, chosen, options, views, sec, seconds, max_tree_tokens,
-                 switch: float = 0.0) -> None:
+                 switch: float = 0.0, batch: int = 0) -> None:
         """Give one request (in turn) that has not run a tree (or not for
         :attr:`EXPLORE_AFTER` steps) the tree predicted to lose least
         against the plan (time lost, at the plan's tokens per second), so
@@ -832,7 +871,9 @@ class Planner:
                 continue
             cur = chosen[r]
             best = None
-            for o in options[r]:
+            # trees the search left out (search_trees) are weighed here
+            opts = options[r] if v.search_trees else self.shapes(v, batch or r_n, trees=True)
+            for o in opts:
                 if o.kind != "tree" or (max_tree_tokens and o.nodes > max_tree_tokens):
                     continue
                 s2 = seconds(q - cur.query + o.query, 1,
