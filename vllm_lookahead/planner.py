@@ -329,6 +329,19 @@ class BestCase:
                         sampled=self.sampled and other.sampled)
 
 
+def _least_weight(shapes) -> float:
+    """The least weight at which one of ``shapes``, ``(gain, cost)`` each
+    in tokens of the plain step, pays (``weight * gain > cost``): inf where
+    none does at any weight, -inf where one costs less than nothing."""
+    least = math.inf
+    for gain, cost in shapes:
+        if gain > 0:
+            least = min(least, cost / gain)
+        elif cost < 0:
+            least = -math.inf
+    return least
+
+
 def least_weight(pair: tuple[float, float], calibration: float = 1.0) -> float:
     """The least paying weight of :meth:`Planner.pay_weights`'s ``(drafts,
     trees)`` where unchecked gains are scaled by ``calibration`` (> 0): a
@@ -656,31 +669,28 @@ class Planner:
         drafting request (the bound of a request whatever the others do)."""
         if batch <= 0 or best.max_draft <= 0:
             return math.inf, math.inf
-        lam, c0, costs = self._draft_costs(batch, best.max_draft, best.sampled, alone)
-        # pays where weight * gain > cost: the least weight over the shapes
-        # (-inf: one whose cost is below 0 pays at any weight)
-        drafts = trees = math.inf
-        for k, cost in costs:
-            gain = geometric_gain(best.p_unchecked, k)
-            if gain > 0:
-                drafts = min(drafts, cost / gain)
-            elif cost < 0:
-                drafts = -math.inf
-        for gain, nodes in best.trees.values():
-            sec = self.cost.predict(batch, (batch + nodes) / batch, tree=True, drafting=1)
-            cost = lam * (sec - c0) + 1e-12
-            if gain > 0:
-                trees = min(trees, cost / gain)
-            elif cost < 0:
-                trees = -math.inf
-        return drafts, trees
+        costs = self._draft_costs(batch, best.max_draft, best.sampled, alone)
+        drafts = _least_weight((geometric_gain(best.p_unchecked, k), cost) for k, cost in costs)
+        return drafts, self.tree_pay_weight(batch, best.trees)
+
+    def tree_pay_weight(self, batch: int, trees: dict) -> float:
+        """:meth:`pay_weights`' trees part: the least weight at which one of
+        ``trees`` (:attr:`BestCase.trees`) pays in a ``batch``-request step,
+        the others off (no verification under a tree, no switch)."""
+        if batch <= 0 or not trees:
+            return math.inf
+        c0 = self.cost.predict(batch, 1.0, tree=False)
+        lam = batch / c0  # the all-off plan's tokens per second
+        return _least_weight(
+            (gain, lam * (self.cost.predict(batch, (batch + nodes) / batch, tree=True,
+                                            drafting=1) - c0) + 1e-12)
+            for gain, nodes in trees.values())
 
     def _draft_costs(self, batch: int, max_draft: int, sampled: bool,
-                     alone: bool) -> tuple[float, float, tuple]:
+                     alone: bool) -> tuple:
         """:meth:`pay_weights`' prices, in tokens of the plain step, of the
         drafts of :func:`draft_lengths` ``(max_draft)`` beyond a plain
-        ``batch``-request step, the others off, ``(k, cost)`` each, with the
-        plain step's tokens per second and seconds: the same until the cost
+        ``batch``-request step, the others off, ``(k, cost)`` each: the same until the cost
         model's correction moves (``CostModel.generation``), so kept
         (``_cannot_pay`` weighs each request's own acceptance, a new
         rate most steps, against them)."""
@@ -711,7 +721,7 @@ class Planner:
             extra = first + nxt * (0 if self.lazy_verify else k - 1) - saved
             sec = self.cost.predict(batch, (batch + k) / batch, tree=False, drafting=1)
             costs.append((k, lam * (sec + extra - c0) + 1e-12))
-        got = self._costs[key] = (lam, c0, tuple(costs))
+        got = self._costs[key] = tuple(costs)
         return got
 
     def plan(self, views: list[RequestView], max_tree_tokens: int = 0,
@@ -837,7 +847,7 @@ class Planner:
             batch, 1.0, tree=False)
 
     def _explore(self, chosen, options, views, sec, seconds, max_tree_tokens,
-                 switch: float = 0.0, batch: int = 0) -> None:
+                 switch: float, batch: int) -> None:
         """Give one request (in turn) that has not run a tree (or not for
         :attr:`EXPLORE_AFTER` steps) the tree predicted to lose least
         against the plan (time lost, at the plan's tokens per second), so
@@ -872,7 +882,7 @@ class Planner:
             cur = chosen[r]
             best = None
             # trees the search left out (search_trees) are weighed here
-            opts = options[r] if v.search_trees else self.shapes(v, batch or r_n, trees=True)
+            opts = options[r] if v.search_trees else self.shapes(v, batch, trees=True)
             for o in opts:
                 if o.kind != "tree" or (max_tree_tokens and o.nodes > max_tree_tokens):
                     continue

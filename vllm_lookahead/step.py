@@ -641,22 +641,20 @@ def _cannot_pay(planner, r: Live, view: RequestView, batch: int, alone: bool = F
 def _trees_pay(planner, r: Live, view: RequestView, batch: int) -> bool:
     """Whether a tree of request ``r`` could pay at its weight in a
     ``batch``-request step with the others off, by its quiet bound's
-    trees (:class:`QuietBatches`, :meth:`Planner.pay_weights`, cached with
-    the bound); True (weigh them) where the bound cannot tell: a seeded or
-    new request, one without a bound, one whose last tree left it a
-    checked chain (its tree run goes on while it pays)."""
+    trees (:class:`QuietBatches`, :meth:`Planner.tree_pay_weight`, cached
+    with the bound); True (weigh them) where the bound cannot tell: a
+    seeded or new request, one without a bound, one whose last tree left
+    it a checked chain (its tree run goes on while it pays)."""
     st = r.state
     if (not view.trees or view.fixed is not None or r.chain
             or st.acc.seen < QuietBatches.MATURE or st.quiet_best is None
             or not st.quiet_best.trees):
         return True
     key = ("trees", batch)
-    pair = st.quiet_pays.get(key)
-    if pair is None:
-        pair = st.quiet_pays[key] = planner.pay_weights(
-            batch, BestCase(p_unchecked=0.0, max_draft=1, trees=st.quiet_best.trees,
-                            sampled=st.sampled))
-    return max(view.weight, 0.0) > pair[1]
+    least = st.quiet_pays.get(key)
+    if least is None:
+        least = st.quiet_pays[key] = planner.tree_pay_weight(batch, st.quiet_best.trees)
+    return max(view.weight, 0.0) > least
 
 
 def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
