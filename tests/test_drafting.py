@@ -511,7 +511,7 @@ def test_a_request_whose_own_bound_cannot_pay_is_left_out():
     for st, p in ((strong, 0.95), (weak, 0.01)):
         st.acc.seen = QuietBatches.MATURE
         for kind in LOOKUP_KINDS:
-            st.acc.set_unchecked(kind, p)
+            st.acc.unchecked[kind].hits, st.acc.unchecked[kind].misses = 100 * p, 100 * (1 - p)
     live = [Live(0, strong, len(text), 3, []), Live(1, weak, len(text), 3, [])]
 
     def no_trees(rows):  # pragma: no cover - must not run
@@ -546,7 +546,7 @@ def test_the_search_leaves_out_trees_a_requests_bound_says_cannot_pay(monkeypatc
     for st in states:
         st.acc.seen = QuietBatches.MATURE
         for kind in LOOKUP_KINDS:
-            st.acc.set_unchecked(kind, 0.9)
+            st.acc.unchecked[kind].hits, st.acc.unchecked[kind].misses = 90, 10
     live = [Live(i, st, len(text), 3, []) for i, st in enumerate(states)]
     seen = []
     orig = step.planner.plan
@@ -614,7 +614,7 @@ def test_requests_left_off_after_their_lookup_are_off_in_the_full_plan(monkeypat
             st.acc.seen = QuietBatches.MATURE
             p = rng.random()
             for kind in LOOKUP_KINDS:
-                st.acc.set_unchecked(kind, p)
+                st.acc.unchecked[kind].hits, st.acc.unchecked[kind].misses = 100 * p, 100 * (1 - p)
             live.append(Live(i, st, len(text), rng.randint(0, 3), []))
         weights = [rng.uniform(0.0, 2.0) for _ in live]
         full_live = copy.deepcopy(live)

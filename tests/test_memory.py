@@ -201,7 +201,7 @@ class _Curve:
 def test_steady_draft_prices_a_seeded_draft_on_the_start_curve(p, per_token, expect):
     prior = AcceptancePrior(max_cands=3)
     s = _state(prior, seeded=True)
-    s.acc.set_unchecked("suffix4", p)
+    s.acc.unchecked["suffix4"].hits, s.acc.unchecked["suffix4"].misses = p * 100, (1 - p) * 100
     planner = Planner(_Curve(1.0, per_token))
     assert planner.steady_draft(s.acc, "suffix4", 4) == expect
 
@@ -289,7 +289,7 @@ def test_planner_prices_a_long_lookup(p, per_token, lo, hi):
 
     prior = AcceptancePrior(max_cands=3)
     acc = RequestAcceptance(prior)
-    acc.set_unchecked("memory12", p, weight=1000)
+    acc.unchecked["memory12"].hits, acc.unchecked["memory12"].misses = p * 1000, (1 - p) * 1000
     curve = CostCurve({1: [(t, 0.05 * (1 + per_token * (t - 1))) for t in (1, 2, 4, 8, 16, 32)]})
     planner = Planner(CostModel(curve))
     v = RequestView(acc=acc, ngram_size=4, window_size=3, guess_set_size=0, room=16,

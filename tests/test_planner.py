@@ -215,10 +215,8 @@ def test_any_pays_false_means_the_plan_is_all_off():
             sampled.append(rng.random() < share)
             acc = RequestAcceptance(prior)
             for kind in acc.unchecked:
-                # per token, and the first and next tokens' rates apart
-                for table in (acc.unchecked, acc.first, acc.next):
-                    table[kind].hits = rng.uniform(0, 4)
-                    table[kind].misses = rng.uniform(0.1, 9)
+                acc.unchecked[kind].hits = rng.uniform(0, 4)
+                acc.unchecked[kind].misses = rng.uniform(0.1, 9)
             acc.tree_cands = sorted(rng.uniform(0, 1.5) for _ in acc.tree_cands)
             n, w, g = rng.randint(2, 6), rng.randint(0, 7), rng.randint(1, 8)
             # the kinds its lookups can return (all, or those its settings
@@ -270,7 +268,7 @@ def test_a_step_pays_the_verifiers_switch_once():
 
     def req(p, switch):
         acc = RequestAcceptance(prior)
-        acc.set_unchecked("suffix4", p)
+        acc.unchecked["suffix4"] = type(acc.unchecked["suffix4"])(100 * p, 100 * (1 - p))
         return view(acc, unchecked=4, room=4, trees=False, switch=switch,
                     verify=(row[0], row[1]) if switch else (row[0] + row[3], row[1]))
 
@@ -322,7 +320,7 @@ def test_drafts_that_pay_only_together_are_planned_together():
 
     def weak():
         acc = RequestAcceptance(prior)
-        acc.set_unchecked("suffix4", 0.35)
+        acc.unchecked["suffix4"] = type(acc.unchecked["suffix4"])(35.0, 65.0)
         return view(acc, unchecked=4, room=4, trees=False, switch=row[3],
                     verify=(row[0], row[1]))
 
@@ -345,10 +343,8 @@ def test_the_bound_takes_only_the_kinds_a_request_can_draft():
     prior holds for them."""
     prior = AcceptancePrior(max_cands=4, p_unchecked=0.3)
     acc = RequestAcceptance(prior)
-    for rates in (prior.p_unchecked, prior.p_first, prior.p_next):
-        rates["suffix24"] = rates["memory12"] = 0.9
-    for table in (acc.unchecked, acc.first, acc.next):
-        table["suffix16"].hits = 1000.0
+    prior.p_unchecked["suffix24"] = prior.p_unchecked["memory12"] = 0.9
+    acc.unchecked["suffix16"].hits = 1000.0
     every = BestCase.of([view(acc)], prior)
     own = BestCase.of([view(acc, kinds=possible_kinds(True, False, False))], prior)
     factor = max(1.0, prior.max_agreement_factor())
@@ -356,7 +352,6 @@ def test_the_bound_takes_only_the_kinds_a_request_can_draft():
     assert own.p_unchecked == pytest.approx(
         min(max(prior.p_unchecked["suffix4"], acc.unchecked["suffix4"].p) * factor, 0.98))
     assert own.p_unchecked < every.p_unchecked
-    assert own.p_first < every.p_first and own.p_next < every.p_next
     assert possible_kinds(False, True, False) == ("pool",)
     assert set(possible_kinds(True, True, True)) == set(LOOKUP_KINDS)
 
@@ -416,62 +411,6 @@ def test_unchecked_rate_learns_from_text():
     before = acc.unchecked["suffix4"].p
     acc.observe_unchecked([], [1])  # no draft: nothing learnt
     assert acc.unchecked["suffix4"].p == before
-
-
-def test_a_kinds_first_and_next_tokens_are_learnt_apart():
-    """Scored lookups whose first token is right one time in five and each
-    next one, after a right one, four in five: the first token's rate and
-    the next ones' come out so, and a draft's gain is
-    ``f * (1 + q + ... + q^(k-1))``, not the geometric count of the
-    per-token rate (which overrates the first token and underrates the
-    rest)."""
-    acc = RequestAcceptance(AcceptancePrior(max_cands=4, p_unchecked=0.5), keep=0.999)
-    rng = random.Random(3)
-    for _ in range(3000):
-        draft = [1, 2, 3, 4]
-        produced = []
-        for j, tok in enumerate(draft):
-            ok = rng.random() < (0.2 if j == 0 else 0.8)
-            produced.append(tok if ok else 9)
-            if not ok:
-                break
-        acc.observe_unchecked(draft, produced, "pool")
-        if produced == draft:
-            acc.observe_unchecked([], [5], "pool")
-    f, q = acc.unchecked_split("pool")
-    assert f == pytest.approx(0.2, abs=0.05) and q == pytest.approx(0.8, abs=0.05)
-    p = acc.unchecked_p("pool")
-    assert f < p < q
-    assert acc.unchecked_gain(1, "pool") == pytest.approx(f)
-    assert acc.unchecked_gain(4, "pool") == pytest.approx(f * (1 + q + q * q + q**3))
-    assert acc.unchecked_gain(4, "pool") - acc.unchecked_gain(1, "pool") \
-        > 1.5 * (geometric_gain(p, 4) - geometric_gain(p, 1))
-    # the engine's prior learns them too (what new requests start from)
-    assert acc.prior.p_first["pool"] < 0.35 and acc.prior.p_next["pool"] > 0.65
-
-
-def test_a_guess_whose_next_tokens_follow_is_drafted_whole():
-    """A guess right one time in five, whose next tokens follow four times
-    in five after a right one: where a draft token costs a little, the
-    planner drafts it whole (a geometric count of the same lookups, 0.39
-    a token, would have drafted one token), and its bound agrees."""
-    curve = CostCurve.flat(STEP, 0.05)
-    planner = Planner(CostModel(curve))
-    prior = AcceptancePrior(max_cands=2, p_unchecked=0.5)
-    split, geometric = RequestAcceptance(prior), RequestAcceptance(prior)
-    split.set_unchecked("pool", 0.39, first=0.2, nxt=0.8)
-    geometric.set_unchecked("pool", 0.39)
-
-    def req(acc):
-        return view(acc, unchecked=4, room=4, trees=False, lookup_kind="pool")
-
-    (whole,) = planner.plan([req(split)])
-    (short,) = planner.plan([req(geometric)])
-    assert whole.draft == 4 and short.draft < 4, (whole, short)
-    assert whole.tokens == pytest.approx(1 + 0.2 * (1 + 0.8 + 0.64 + 0.512))
-    best = BestCase.of([req(split)], prior)
-    assert (best.p_first, best.p_next) >= (0.2, 0.8)
-    assert planner.any_pays(1, best)
 
 
 def test_a_lookup_not_drafted_is_scored_on_all_its_tokens():

@@ -13,15 +13,7 @@ Per request, running estimates of the tokens a step gains from
   the first one alone. Learnt per kind of lookup (:data:`LOOKUP_KINDS`); a
   match's ``p`` is multiplied by the engine's factor for how the key's
   places agreed on its first token (one place, all, split:
-  :meth:`AcceptancePrior.agreement_factor`). What a draft gains is
-  priced from two rates learnt from the same scored lookups: its first
-  token's ``f`` and each next one's ``q`` (given the ones before were
-  accepted), ``f * (1 + q + ... + q^(k-1))``
-  (:meth:`RequestAcceptance.unchecked_gain`): a guess's first token is
-  accepted far less often than the tokens after an accepted one (replayed
-  n=4 samples, the pool's guesses: 0.12 and about 0.37 on MT-Bench, 0.23
-  and 0.56 on HumanEval), where one geometric ``p`` overrates a one-token
-  draft and underrates the rest;
+  :meth:`AcceptancePrior.agreement_factor`);
 * a **tree** with ``g`` candidates and the Jacobi window on or off: the
   candidate tokens the model confirms, ``m``. One tree with G candidates
   tells what every g <= G would have confirmed (the best of the first g);
@@ -114,15 +106,6 @@ def match_kind(source: str, m: int) -> str:
     return f"{source}{m}"
 
 
-def split_gain(f: float, q: float, k: int) -> float:
-    """Expected accepted tokens of a k-token draft whose first token is
-    accepted with probability ``f`` and each next one with ``q`` (given the
-    ones before were)."""
-    if k <= 0 or f <= 0:
-        return 0.0
-    return f * (1.0 + geometric_gain(q, k - 1))
-
-
 def geometric_gain(p: float, k: int) -> float:
     """Expected accepted tokens of a k-token draft whose tokens are each
     accepted with probability ``p`` (given the previous ones were)."""
@@ -184,10 +167,6 @@ class AcceptancePrior:
     max_cands: int
     #: per kind of lookup (see :data:`LOOKUP_KINDS`); filled in post-init
     p_unchecked: dict = None
-    #: per kind: its first token's acceptance and each next one's (given
-    #: the ones before were accepted); start at ``p_unchecked``'s
-    p_first: dict = None
-    p_next: dict = None
     p_checked: float = 0.95
     tree_cands: list[float] = field(default_factory=list)
     tree_window: float = 0.3
@@ -207,10 +186,6 @@ class AcceptancePrior:
                                 "suffix4": p, "suffix3": p * 0.9, "suffix2": p * 0.8,
                                 "memory12": p, "memory6": p * 0.9, "memory3": p * 0.7,
                                 "memory1": p * 0.6, "pool": p * 0.6}
-        if not isinstance(self.p_first, dict):
-            self.p_first = dict(self.p_unchecked)
-        if not isinstance(self.p_next, dict):
-            self.p_next = dict(self.p_unchecked)
         # per agreement class, its matches' first tokens accepted and not
         # (forgetting slowly), from pseudo-counts at the assumed factors
         # of 0.5, in the assumed mix
@@ -261,17 +236,8 @@ class AcceptancePrior:
         if self.planned >= self.CALIBRATION_AFTER:
             self.calibration = min(1.0, max(self.CALIBRATION_MIN, self.seen / self.planned))
 
-    def learn_unchecked(self, kind: str, p: float, first: float | None = None,
-                        nxt: float | None = None) -> None:
-        """A request's rates of ``kind`` after a scored lookup: ``p`` its
-        per-token rate, ``first`` and ``nxt`` its first and next tokens'
-        (None: not moved)."""
-        e = self.ema
-        self.p_unchecked[kind] += e * (p - self.p_unchecked[kind])
-        if first is not None:
-            self.p_first[kind] += e * (first - self.p_first[kind])
-        if nxt is not None:
-            self.p_next[kind] += e * (nxt - self.p_next[kind])
+    def learn_unchecked(self, kind: str, p: float) -> None:
+        self.p_unchecked[kind] += self.ema * (p - self.p_unchecked[kind])
 
     def observe_agreement(self, agree: str, first_accepted: bool) -> None:
         """A scored match of agreement class ``agree``, whose first token
@@ -322,8 +288,6 @@ class AcceptancePrior:
     def snapshot(self) -> dict:
         return {
             "p_unchecked": {k: round(v, 3) for k, v in self.p_unchecked.items()},
-            "p_first": {k: round(v, 3) for k, v in self.p_first.items()},
-            "p_next": {k: round(v, 3) for k, v in self.p_next.items()},
             "p_checked": round(self.p_checked, 3),
             "tree_confirmed_by_candidates": [round(m, 3) for m in self.tree_cands],
             "tree_window_extra": round(self.tree_window, 3),
@@ -351,10 +315,6 @@ class RequestAcceptance:
         self.relax_rate = relax
         w = prior.weight
         self.unchecked = {k: _Rate(p * w, (1 - p) * w) for k, p in prior.p_unchecked.items()}
-        #: per kind: its lookups' first tokens, and their next tokens after
-        #: an accepted one (:meth:`unchecked_gain`)
-        self.first = {k: _Rate(p * w, (1 - p) * w) for k, p in prior.p_first.items()}
-        self.next = {k: _Rate(p * w, (1 - p) * w) for k, p in prior.p_next.items()}
         self.checked = _Rate(prior.p_checked * w, (1 - prior.p_checked) * w)
         self.tree_cands = list(prior.tree_cands)
         self.tree_window = prior.tree_window
@@ -385,32 +345,10 @@ class RequestAcceptance:
             return p
         return min(p * self.prior.agreement_factor(agree), max(p, P_MAX))
 
-    def unchecked_split(self, kind: str = "suffix4") -> tuple[float, float]:
-        """``(f, q)``: the acceptance of an unchecked draft of ``kind``'s
-        first token (a match's times the engine's factor of its agreement
-        class, at most :data:`P_MAX` then) and of each next one, given the
-        ones before were accepted."""
-        base, agree = split_kind(kind)
-        f, q = self.first[base].p, self.next[base].p
-        if base not in GUESS_KINDS:
-            f = min(f * self.prior.agreement_factor(agree), max(f, P_MAX))
-        return f, q
-
-    def set_unchecked(self, kind: str, p: float, first: float | None = None,
-                      nxt: float | None = None, weight: float = 100.0) -> None:
-        """Set ``kind``'s rates as if learnt from ``weight`` scored
-        lookups: per token ``p``, first token ``first`` and each next one
-        ``nxt`` (None: ``p``, a geometric count)."""
-        for table, x in ((self.unchecked, p), (self.first, p if first is None else first),
-                         (self.next, p if nxt is None else nxt)):
-            table[kind] = _Rate(x * weight, (1 - x) * weight)
-
     def unchecked_gain(self, k: int, kind: str = "suffix4") -> float:
-        """Expected accepted tokens of a k-token unchecked draft
-        (:func:`split_gain` of :meth:`unchecked_split`), scaled by the
-        engine's calibration (:meth:`AcceptancePrior.calibrate`)."""
-        f, q = self.unchecked_split(kind)
-        return split_gain(f, q, k) * self.prior.calibration
+        """Expected accepted tokens of a k-token unchecked draft, scaled by
+        the engine's calibration (:meth:`AcceptancePrior.calibrate`)."""
+        return geometric_gain(self.unchecked_p(kind), k) * self.prior.calibration
 
     def tree_gain(self, g: int, window: float) -> float:
         """Expected confirmed tokens of a tree with ``g`` candidates and
@@ -460,12 +398,9 @@ class RequestAcceptance:
         kind, agree = split_kind(self._probe_kind)
         self._probe = None
         self.seen += 1
-        rate, first, nxt = self.unchecked[kind], self.first[kind], self.next[kind]
+        rate = self.unchecked[kind]
         rate.add(hits, missed, self.keep)
-        first.add(int(hits > 0), hits == 0, self.keep)
-        if hits > 0:
-            nxt.add(hits - 1, missed, self.keep)
-        self.prior.learn_unchecked(kind, rate.p, first.p, nxt.p if hits > 0 else None)
+        self.prior.learn_unchecked(kind, rate.p)
         if kind not in GUESS_KINDS:
             self.prior.observe_agreement(agree, hits > 0)
 

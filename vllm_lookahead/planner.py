@@ -35,13 +35,7 @@ from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import NamedTuple
 
-from vllm_lookahead.acceptance import (
-    P_MAX,
-    RequestAcceptance,
-    geometric_gain,
-    split_gain,
-    window_root,
-)
+from vllm_lookahead.acceptance import P_MAX, RequestAcceptance, geometric_gain, window_root
 from vllm_lookahead.attn_mask import tree_size
 from vllm_lookahead.siblings import end_shares_many
 
@@ -286,29 +280,12 @@ class BestCase:
             shapes some request may run (none: no request may).
         sampled: every request samples (a draft's verification costs at
             least a sampled one's; else at least the cheaper kind's).
-        p_first, p_next: highest acceptance of an unchecked draft's first
-            token and of each next one (:meth:`~vllm_lookahead.acceptance.
-            RequestAcceptance.unchecked_split`); None: both ``p_unchecked``.
     """
 
     p_unchecked: float
     max_draft: int
     trees: dict
     sampled: bool = False
-    p_first: float | None = None
-    p_next: float | None = None
-
-    def split(self) -> tuple[float, float]:
-        """``(p_first, p_next)``, each ``p_unchecked`` where not given."""
-        if self.p_first is None:
-            return self.p_unchecked, self.p_unchecked
-        return self.p_first, self.p_next
-
-    def gain(self, k: int) -> float:
-        """The most tokens a k-token unchecked draft gains (uncalibrated)."""
-        if self.p_first is None:
-            return geometric_gain(self.p_unchecked, k)
-        return split_gain(self.p_first, self.p_next, k)
 
     @classmethod
     def of(cls, views: list["RequestView"], prior, sampled: bool = False) -> "BestCase":
@@ -318,21 +295,15 @@ class BestCase:
         # over the kinds each request's lookups can return (all: None), and
         # suffix4 where a tree may leave it a checked chain (valued so)
         kinds = set()
-        own, own_f, own_q = [], [], []
+        own = []
         for v in views:
             ks = set(v.kinds if v.kinds is not None else prior.p_unchecked)
             if v.trees or v.chain > 0:
                 ks.add("suffix4")
             kinds |= ks
             own += [v.acc.unchecked[kind].p for kind in ks]
-            own_f += [v.acc.first[kind].p for kind in ks]
-            own_q += [v.acc.next[kind].p for kind in ks]
-        factor = max(1.0, prior.max_agreement_factor())
         p_u = max([prior.p_unchecked[kind] for kind in kinds] + own)
-        p_u = min(p_u * factor, max(p_u, P_MAX))
-        p_f = max([prior.p_first[kind] for kind in kinds] + own_f)
-        p_f = min(p_f * factor, max(p_f, P_MAX))
-        p_q = max([prior.p_next[kind] for kind in kinds] + own_q)
+        p_u = min(p_u * max(1.0, prior.max_agreement_factor()), max(p_u, P_MAX))
         p_c = max([prior.p_checked] + [v.acc.checked.p for v in views])
         trees: dict = {}
         for v in views:
@@ -344,7 +315,7 @@ class BestCase:
                 old = trees.get((w, g), (0.0, nodes))
                 trees[(w, g)] = (max(old[0], m * p_c), min(old[1], nodes))
         return cls(p_unchecked=p_u, max_draft=max(v.room for v in views), trees=trees,
-                   sampled=sampled, p_first=p_f, p_next=p_q)
+                   sampled=sampled)
 
     def join(self, other: "BestCase") -> "BestCase":
         """The bound of both bounds' requests (the best of each figure, the
@@ -353,11 +324,9 @@ class BestCase:
         for key, (gain, nodes) in other.trees.items():
             old = trees.get(key, (0.0, nodes))
             trees[key] = (max(old[0], gain), min(old[1], nodes))
-        (f1, q1), (f2, q2) = self.split(), other.split()
         return BestCase(p_unchecked=max(self.p_unchecked, other.p_unchecked),
                         max_draft=max(self.max_draft, other.max_draft), trees=trees,
-                        sampled=self.sampled and other.sampled,
-                        p_first=max(f1, f2), p_next=max(q1, q2))
+                        sampled=self.sampled and other.sampled)
 
 
 def _least_weight(shapes) -> float:
@@ -701,7 +670,7 @@ class Planner:
         if batch <= 0 or best.max_draft <= 0:
             return math.inf, math.inf
         costs = self._draft_costs(batch, best.max_draft, best.sampled, alone)
-        drafts = _least_weight((best.gain(k), cost) for k, cost in costs)
+        drafts = _least_weight((geometric_gain(best.p_unchecked, k), cost) for k, cost in costs)
         return drafts, self.tree_pay_weight(batch, best.trees)
 
     def tree_pay_weight(self, batch: int, trees: dict) -> float:

@@ -607,9 +607,8 @@ def _cannot_pay(planner, r: Live, view: RequestView, batch: int, alone: bool = F
     """Whether request ``r`` (its lookup done, ``view`` as the planner sees
     it) can be left off this step without the planner's search: mature, not
     seeded, no checked chain, no exploration tree due, and no draft of its
-    lookup (at its kind's first and next tokens' acceptance rounded up to
-    a hundredth, its gain scaled by the engine's calibration as the planner
-    scales it) nor tree
+    lookup (at its kind's acceptance rounded up to a hundredth, its gain
+    scaled by the engine's calibration as the planner scales it) nor tree
     of its quiet bound (``QuietBatches``) would pay at its weight in a
     ``batch``-request step with the others off (:meth:`Planner.pay_weights`,
     cached with the bound; ``alone``: the draft paying the step's switch,
@@ -630,13 +629,12 @@ def _cannot_pay(planner, r: Live, view: RequestView, batch: int, alone: bool = F
     k = min(view.unchecked, r.room)
     if k <= 0 and not trees:
         return True
-    # the kind's rates rounded up to a hundredth (a bounded cache)
-    f, q = acc.unchecked_split(view.lookup_kind) if k > 0 else (0.0, 0.0)
-    f, q = math.ceil(f * 100.0) / 100.0, math.ceil(q * 100.0) / 100.0
+    # the kind's rate rounded up to a hundredth (a bounded cache)
+    p = math.ceil(acc.unchecked_p(view.lookup_kind) * 100.0) / 100.0 if k > 0 else 0.0
     return not _pays(planner, st.quiet_pays, batch,
-                     BestCase(p_unchecked=max(f, q), max_draft=max(k, 1), trees=trees,
-                              sampled=st.sampled, p_first=f, p_next=q),
-                     view.weight, acc.prior.calibration, key=(batch, f, q, k, bool(trees)),
+                     BestCase(p_unchecked=p, max_draft=max(k, 1), trees=trees,
+                              sampled=st.sampled),
+                     view.weight, acc.prior.calibration, key=(batch, p, k, bool(trees)),
                      alone=alone)
 
 
