@@ -212,8 +212,7 @@ def test_measure_verify_times_accepted_and_rejected_drafts(verifier):
     verifier skips), and every entry is ``(first, next, bonus, switch)``:
     at batch 1 the switch is 0 (one request's first token and the step's
     switch are one), and first + switch is what one drafting request adds
-    over the plain sampler. Past batch 1 the next tokens are timed where
-    every request drafts as long too (the positions shared)."""
+    over the plain sampler."""
     from vllm_lookahead import warmup
 
     seen = []
@@ -244,10 +243,6 @@ def test_measure_verify_times_accepted_and_rejected_drafts(verifier):
     hits = [out for tokens, out in every if tokens == [1, 1]]
     misses = [out for tokens, out in every if tokens == [511, 511]]
     assert hits and misses
-    long = warmup.VERIFY_LONG
-    assert any(nums == [long, long] for _, nums, _ in seen)  # every request's long draft
-    assert not any(len(nums) == 1 and nums != [1] and nums != [long] and nums != [0]
-                   for _, nums, _ in seen)
     assert all(row[0] == 1 and row[1] >= 0 for out in hits for row in out)  # accepted, bonus
     assert all(row[0] != 511 and row[1] == -1 for out in misses for row in out)  # rejected
 

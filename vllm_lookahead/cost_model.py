@@ -36,9 +36,8 @@ from vllm_lookahead.machine import hardware_id, machine_busy_s  # noqa: F401
 #: Format version of the cache files (a :meth:`CostCurve.to_dict` with its
 #: key and its :meth:`CostCurve.verify_dict`, :mod:`.cost_cache`); a file of
 #: another version is ignored (version 1, without the verification costs,
-#: is read as a curve without them; version 2 timed a next draft token of
-#: one request alone at every batch size, ``warmup.measure_verify``).
-CACHE_VERSION = 3
+#: is read as a curve without them).
+CACHE_VERSION = 2
 #: The kinds of request whose verification :attr:`CostCurve.verify` times.
 VERIFY_KINDS = ("sampled", "greedy")
 #: Query tokens per request the engine-start ladder measures.
@@ -66,10 +65,7 @@ class CostCurve:
             seconds vLLM's rejection sampler adds to a step of ``batch``
             such requests over its plain sampler when one of them drafts
             one token (``first_s``), and per further draft token of that
-            request (``next_s``; past batch 1 at most what a further row
-            costs where every request drafts as long: the CPU verifier
-            pays a round per draft position, shared by the requests that
-            reach it) -- the sampler's work only (logits rows,
+            request (``next_s``) -- the sampler's work only (logits rows,
             top-p, recovered tokens), not the forward's, which ``points``
             time -- and ``bonus_s``, what the request's bonus row costs
             where a lazy verifier samples it only after a wholly accepted

@@ -179,8 +179,7 @@ def measure_verify(runner, batches) -> dict:
     without drafts; vLLM's rejection sampler over no draft where async
     scheduling keeps it), and the rejection sampler with one request
     drafting one token and :data:`VERIFY_LONG` tokens, all accepted, and,
-    every request drafting one token and (past batch 1) every request
-    :data:`VERIFY_LONG` tokens, all accepted, and, sampled, all
+    every request drafting one token, all accepted, and, sampled, all
     rejected (a verifier that samples bonus rows only where a draft was
     wholly accepted, patch 15, skips the rejected ones'). Returns
     :attr:`CostCurve.verify`: per kind and ``b``, ``(first, next, bonus,
@@ -188,15 +187,9 @@ def measure_verify(runner, batches) -> dict:
     (``first``: what each drafting request adds, the batch of ``b``
     one-token drafts over the one, per further request, at most what the
     one added over the plain sampler; ``switch``: the rest of that, which
-    the step pays once; 0 at batch 1; ``next``: the one request's long
-    draft over its short one, per further token, and past batch 1 at most
-    every request's long drafts over their short ones, per further row: the
-    CPU verifier walks the drafts position by position, each position a
-    round of calls for all the requests still accepting, so alone each
-    next token pays a round, beside other long drafts a row; ``bonus``: a
-    batch of ``b`` sampled one-token drafts all accepted over all
-    rejected, per request; 0 for greedy requests, whose bonus rows patch
-    15 never skips).
+    the step pays once; 0 at batch 1; ``bonus``: a batch of ``b`` sampled
+    one-token drafts all accepted over all rejected, per request; 0 for
+    greedy requests, whose bonus rows patch 15 never skips).
 
     The logits are synthetic and peaked (a handful of tokens hold nearly all
     the mass, as a language model's next token mostly does), so top-p keeps
@@ -296,18 +289,6 @@ def _measure_verify(runner, batches) -> dict:
                 hit = spec([1] * b)
                 accepted = timed(lambda y: verifier(hit, None, y, meta), 2 * b)
                 each = max(accepted - first, 0.0) / (b - 1) if b > 1 else None
-                # each next token: one request's long draft over its short
-                # one, alone (each next row a position of its own: the CPU
-                # verifier walks the drafts position by position, a round
-                # of calls for all the requests still accepting); past
-                # batch 1, every request's long draft over every one's
-                # short one, per row (the positions shared), if less
-                nxt = max(last - first, 0.0) / (VERIFY_LONG - 1)
-                if b > 1:
-                    every_long = spec([VERIFY_LONG] * b)
-                    shared = timed(lambda y: verifier(every_long, None, y, meta),
-                                   b * (VERIFY_LONG + 1))
-                    nxt = min(nxt, max(shared - accepted, 0.0) / (b * (VERIFY_LONG - 1)))
                 bonus = 0.0  # greedy batches' bonus rows are never skipped
                 if sampled:
                     # and one the peaked rows give no mass to, rejected: the
@@ -319,7 +300,8 @@ def _measure_verify(runner, batches) -> dict:
                     bonus = max(accepted - rejected, 0.0) / b
                 one_first = max(first - plain, 0.0)
                 own = one_first if each is None else min(each, one_first)
-                table[b] = (own, nxt, bonus, one_first - own)
+                table[b] = (own, max(last - first, 0.0) / (VERIFY_LONG - 1), bonus,
+                            one_first - own)
             out[kind] = table
     return out
 
