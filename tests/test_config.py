@@ -47,6 +47,7 @@ def test_defaults_valid():
     assert cfg.disable_batch_size is None  # never: the planner decides
     assert cfg.prompt_pool is True
     assert cfg.seed == 0
+    assert cfg.learn_step_cost is False  # drafts priced at the start-up cost
     assert cfg.lookup_len == 0 and cfg.max_draft_len == cfg.ngram_size
     assert LookaheadConfig(lookup_len=16).max_draft_len == 16
     assert cfg.mode == "fused"
@@ -57,7 +58,7 @@ def test_defaults_valid():
     assert cfg.batch_end is False
     assert set(cfg.field_names()) == set(RANGES) | {"prompt_pool", "mode", "adaptive",
                                                     "cost_model", "shared_memory",
-                                                    "parent_latency", "batch_end"}
+                                                    "parent_latency", "batch_end", "learn_step_cost"}
     assert LookaheadConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -106,7 +107,7 @@ def test_wrong_type_rejected(field, value):
     assert _range_text(field) in msg
 
 
-@pytest.mark.parametrize("field", ["prompt_pool", "adaptive"])
+@pytest.mark.parametrize("field", ["prompt_pool", "adaptive", "learn_step_cost"])
 @pytest.mark.parametrize("value", [1, 0, "true", "yes", None, 1.0])
 def test_bool_fields_must_be_bool(field, value):
     with pytest.raises(LookaheadConfigError) as ei:

@@ -662,6 +662,31 @@ def test_a_step_that_waited_does_not_drag_the_plain_plane():
     assert m.predict(4, 2, tree=False, drafting=1) == pytest.approx(0.073, rel=0.1)
 
 
+def test_steps_without_trees_teach_nothing_where_the_step_cost_is_not_learnt():
+    """``learn_plain`` off (an engine's default, ``learn_step_cost``): steps
+    without trees, however slow, leave a draft's price at the curve's and
+    the verification as measured; steps with trees still correct the
+    trees' price. On (as the model's default), the same steps move it."""
+    curve = curve_from(avx2_bf16)
+    verify = {"sampled": {4: (0.001, 0.0005, 0.0, 0.002)}}
+    for learn in (False, True):
+        m = CostModel(CostCurve(curve.points, verify))
+        m.learn_plain = learn
+        before = (m.predict(4, 2, tree=False, drafting=4), m.verify_seen(4, True))
+        for i in range(200):
+            n = i % 5
+            m.observe(4, 1 + n / 4, 0.2 + 0.02 * n, tree=False, drafting=n,
+                      verify_least=(0.001, 0.0005) if n else None)
+            m.observe(4, 3.0, 2 * m.curve.predict(4, 3.0), tree=True)
+        m.agreed(m.local_factors())
+        after = (m.predict(4, 2, tree=False, drafting=4), m.verify_seen(4, True))
+        assert m.factors[(4, True)] > 1.5  # trees learnt either way
+        if learn:
+            assert after[0] > 1.5 * before[0]
+        else:
+            assert after == before and (4, False) not in m.factors
+
+
 def test_a_step_with_trees_never_costs_less_than_without():
     """The tree factor and the plain line learn from different steps; where
     they disagree (steps without trees slower than the curve, tree steps

@@ -118,6 +118,18 @@ class LookaheadConfig:
             whole batch gets (``LLM.generate``, a rollout batch); a server's
             clients each wait for their own request. False (the default):
             each request (or parent) for its own end.
+        learn_step_cost: correct what a draft costs (the cost model's plane
+            of steps without trees, ``CostModel.observe``) from the step
+            times the engine sees. False (the default): drafts are priced
+            from the cost curve and vLLM's verification as measured at
+            start-up (or cached), and only steps with trees correct their
+            price. On the 2-vCPU AMX Xeon measured (stop 51, four engines
+            taking turns in one process, n = 4 and 16 sampled) the learnt
+            price moved from run to run by several times (a drafting
+            request 0.7-4.6 ms at 4 requests), and with it how often
+            lookahead drafted; held at the start-up price it drafted as
+            often as ``suffix`` and read +6.0, +8.5, +1.6 and +1.8%
+            paired (README).
 
     The defaults (N, W, G) = (4, 3, 3) are the fastest measured on a 2-core
     CPU (bfloat16, SmolLM2-135M, HumanEval and MT-Bench): there every query
@@ -139,6 +151,7 @@ class LookaheadConfig:
     lookup_len: int = 0
     parent_latency: bool = True
     batch_end: bool = False
+    learn_step_cost: bool = False
 
     _RANGES = {
         "ngram_size": (2, 16),

@@ -348,6 +348,11 @@ class CostModel:
     #: The forgetting of the plain plane's fit (its slopes); its height
     #: follows faster, at ``ema`` (an offset of the last steps' residuals).
     SLOPE_EMA = 0.005
+    #: Whether steps without trees are booked (the plain plane learnt);
+    #: False: they are priced from the curve (:meth:`plain`) and the
+    #: verification as measured, whatever the steps show
+    #: (``LookaheadConfig.learn_step_cost``, off by default in an engine).
+    learn_plain = True
 
     def __init__(self, curve: CostCurve, ema: float = 0.05, source: str = "measured") -> None:
         self.curve = curve
@@ -503,6 +508,8 @@ class CostModel:
         if not seconds > 0 or not math.isfinite(seconds):
             return
         b = bucket_of(batch)
+        if not tree and not self.learn_plain:
+            return
         if not tree:
             line = self._lines.get(b)
             if line is None:

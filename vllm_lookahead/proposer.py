@@ -141,6 +141,7 @@ class LookaheadProposer:
             setting = self.cfg.cost_model if self.worker is not None else "off"
             cost = build_cost_model(setting, runner, self.worker, self._agree)
             self.step.planner = Planner(cost, fused=self.fused)
+            cost.learn_plain = self.cfg.learn_step_cost
             from vllm_lookahead import cpu_sampling
 
             self.step.planner.lazy_verify = cpu_sampling.LAZY_VERIFY
