@@ -685,6 +685,14 @@ def test_steps_without_trees_teach_nothing_where_the_step_cost_is_not_learnt():
             assert after[0] > 1.5 * before[0]
         else:
             assert after == before and (4, False) not in m.factors
+    # an assumed curve (cost_model "off", an engine without trees) has no
+    # measured price to hold: its steps set the scale whatever learn_plain
+    m = CostModel(CostCurve.flat(0.05, 0.1), source="assumed")
+    m.learn_plain = False
+    for _ in range(100):
+        m.observe(4, 1.0, 0.2, tree=False, drafting=0)
+    m.agreed(m.local_factors())
+    assert m.predict(4, 1.0, tree=False) == pytest.approx(0.2, rel=0.1)
 
 
 def test_a_step_with_trees_never_costs_less_than_without():

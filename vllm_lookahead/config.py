@@ -123,7 +123,9 @@ class LookaheadConfig:
             times the engine sees. False (the default): drafts are priced
             from the cost curve and vLLM's verification as measured at
             start-up (or cached), and only steps with trees correct their
-            price. On the 2-vCPU AMX Xeon measured (stop 51, four engines
+            price (an assumed curve, ``cost_model: "off"`` or an engine
+            where trees cannot run, is corrected from the steps still).
+            On the 2-vCPU AMX Xeon measured (stop 51, four engines
             taking turns in one process, n = 4 and 16 sampled) the learnt
             price moved from run to run by several times (a drafting
             request 0.7-4.6 ms at 4 requests), and with it how often

@@ -351,7 +351,9 @@ class CostModel:
     #: Whether steps without trees are booked (the plain plane learnt);
     #: False: they are priced from the curve (:meth:`plain`) and the
     #: verification as measured, whatever the steps show
-    #: (``LookaheadConfig.learn_step_cost``, off by default in an engine).
+    #: (``LookaheadConfig.learn_step_cost``, off by default in an engine)
+    #: -- unless the curve was assumed (``source`` "assumed": nothing
+    #: measured, the steps are all that sets its scale).
     learn_plain = True
 
     def __init__(self, curve: CostCurve, ema: float = 0.05, source: str = "measured") -> None:
@@ -507,9 +509,9 @@ class CostModel:
         kinds; None: none counted)."""
         if not seconds > 0 or not math.isfinite(seconds):
             return
-        b = bucket_of(batch)
-        if not tree and not self.learn_plain:
+        if not tree and not self.learn_plain and self.source != "assumed":
             return
+        b = bucket_of(batch)
         if not tree:
             line = self._lines.get(b)
             if line is None:
