@@ -1155,3 +1155,41 @@ def test_replay_suffix_drafter_when_installed():
     r = replay_drafts.replay(items, replay_drafts.SuffixDrafter(4))
     # the second request repeats the first, which the global tree holds
     assert r["accepted"] >= len(text) - 8
+
+
+# ---------------------------------------------------------------------------
+# proposer_profile.py (no engine: the timers and what they wrap)
+
+def test_proposer_profile_timers_count_and_pass_through():
+    import types
+
+    import proposer_profile
+
+    def double(x):
+        if x < 0:
+            raise ValueError("negative")
+        return 2 * x
+
+    owner, importer = types.SimpleNamespace(f=double), types.SimpleNamespace(f=double)
+    timers = proposer_profile.Timers()
+    timers.wrap(owner, "f", "double", also=(importer,))
+    assert owner.f(3) == 6 and importer.f(4) == 8
+    with pytest.raises(ValueError, match="negative"):
+        owner.f(-1)
+    assert timers.calls["double"] == 3 and timers.seconds["double"] > 0
+    timers.clear()
+    assert not timers.calls and not timers.seconds
+
+
+def test_proposer_profile_parts_are_the_packages():
+    """Every part it times exists, and each module listed as importing a
+    function by name holds that same function (else its calls go untimed)."""
+    import proposer_profile
+
+    got = proposer_profile.targets()
+    assert len(got) == len(proposer_profile.PARTS)
+    assert len({label for _, _, label, _ in got}) == len(got)
+    for owner, name, _, also in got:
+        assert callable(getattr(owner, name))
+        for module in also:
+            assert getattr(module, name) is getattr(owner, name), (module.__name__, name)
