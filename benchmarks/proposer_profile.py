@@ -49,6 +49,11 @@ def _parse(argv):
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="lookahead settings added to {\"method\": \"lookahead\"}")
     p.add_argument("--out", default=None, help="write the table as JSON here")
+    p.add_argument("--record", default=None, metavar="PATH",
+                   help="also pickle every Planner.plan call (its planner, views and "
+                        "arguments before, its shapes and the planner's counters after) "
+                        "to PATH, for benchmarks/planner_replay.py (the table's times "
+                        "then include the recording)")
     return p.parse_args(argv)
 
 
@@ -133,6 +138,41 @@ def install(timers: Timers) -> None:
         timers.wrap(owner, name, label, also=also)
 
 
+class Recorder:
+    """Pickles each :meth:`Planner.plan` call as it runs: ``(planner, args,
+    kwargs)`` before it (the views are in ``args``), and its shapes and the
+    planner's exploration counters after (:data:`PLAN_COUNTERS`), so that
+    ``planner_replay.py`` can run the same calls again and check it gets
+    the same answers."""
+
+    #: The planner's attributes a plan call moves besides its answer.
+    PLAN_COUNTERS = ("planned_s", "explore_s", "explored", "_turn")
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bytes, tuple, tuple]] = []
+
+    def install(self) -> None:
+        import pickle
+
+        from vllm_lookahead import planner as planner_mod
+        plan, calls, counters = planner_mod.Planner.plan, self.calls, self.PLAN_COUNTERS
+
+        @functools.wraps(plan)
+        def recorded(planner, *a, **k):
+            before = pickle.dumps((planner, a, k))
+            shapes = plan(planner, *a, **k)
+            calls.append((before, tuple(tuple(s) for s in shapes),
+                          tuple(getattr(planner, c) for c in counters)))
+            return shapes
+
+        planner_mod.Planner.plan = recorded
+
+    def save(self, path: str) -> None:
+        import pickle
+        Path(path).write_bytes(pickle.dumps({"counters": self.PLAN_COUNTERS,
+                                             "calls": self.calls}))
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     from transformers import AutoTokenizer
@@ -144,6 +184,10 @@ def main(argv=None) -> int:
 
     timers = Timers()
     install(timers)
+    recorder = None
+    if args.record:
+        recorder = Recorder()
+        recorder.install()
     path = _prepare_model("smollm2")
     tok = AutoTokenizer.from_pretrained(path)
     prompts = _load_prompts(args.dataset, args.prompts, tok)
@@ -163,6 +207,9 @@ def main(argv=None) -> int:
         out = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
         tokens += sum(len(o.token_ids) for o in out[0].outputs)
     wall = time.perf_counter() - start
+    if recorder is not None:
+        recorder.save(args.record)
+        print(f"recorded {len(recorder.calls)} Planner.plan calls: {args.record}")
     steps = max(timers.calls["proposer (all)"], 1)
     rows = [{"part": k, "ms_per_step": 1e3 * v / steps, "calls": timers.calls[k],
              "us_per_call": 1e6 * v / max(timers.calls[k], 1)}

@@ -1193,3 +1193,69 @@ def test_proposer_profile_parts_are_the_packages():
         assert callable(getattr(owner, name))
         for module in also:
             assert getattr(module, name) is getattr(owner, name), (module.__name__, name)
+
+
+# proposer_profile.py --record and planner_replay.py (no engine)
+def _recorded_plans(tmp_path, monkeypatch):
+    """Plans of a synthetic planner recorded as proposer_profile --record
+    records them (a few steps of varied requests, explore on), the file's
+    path."""
+    import random
+
+    import proposer_profile
+    from vllm_lookahead import planner as planner_mod
+    from vllm_lookahead.acceptance import AcceptancePrior, RequestAcceptance
+    from vllm_lookahead.cost_model import CostCurve, CostModel
+
+    monkeypatch.setattr(planner_mod.Planner, "plan", planner_mod.Planner.plan)  # restored after
+    recorder = proposer_profile.Recorder()
+    recorder.install()
+    curve = CostCurve({b: [(t, 0.02 * (1 + 0.01 * (b * t - 1))) for t in (1, 2, 4, 8, 16, 32)]
+                       for b in (1, 2, 4, 8)},
+                      {"sampled": {1: (0.0004, 0.0003, 0.0), 8: (0.0005, 0.0003, 0.0, 0.001)}})
+    planner = planner_mod.Planner(CostModel(curve))
+    rng = random.Random(5)
+    prior = AcceptancePrior(max_cands=3)
+    for step in range(12):
+        views = []
+        for _ in range(rng.randint(1, 6)):
+            acc = RequestAcceptance(prior)
+            for kind in acc.unchecked:
+                acc.unchecked[kind].hits = rng.uniform(0, 8)
+            acc.tree_cands = [rng.uniform(0.2, 2.5) for _ in range(3)]
+            acc.checked.hits = rng.uniform(0, 20)
+            views.append(planner_mod.RequestView(
+                acc=acc, ngram_size=4, window_size=3, guess_set_size=rng.randint(0, 3),
+                room=4, chain=rng.choice([0, 0, 3]), unchecked=rng.randint(0, 4),
+                verify=(0.0004, 0.0003), switch=0.001 * (step % 2)))
+        planner.plan(views, others=rng.randint(0, 3), explore=True)
+    path = tmp_path / "plans.pkl"
+    recorder.save(str(path))
+    assert len(recorder.calls) == 12
+    return path
+
+
+def test_planner_replay_gets_the_recorded_answers(tmp_path, monkeypatch, capsys):
+    import planner_replay
+
+    path = _recorded_plans(tmp_path, monkeypatch)
+    out = planner_replay.replay(planner_replay.load(str(path)), repeat=2)
+    assert out["calls"] == 12 and out["mismatches"] == [] and out["seconds"] > 0
+    assert planner_replay.main([str(path), "--repeat", "1"]) == 0
+    assert "12 same, 0 different" in capsys.readouterr().out
+
+
+def test_planner_replay_finds_a_changed_plan(tmp_path, monkeypatch, capsys):
+    """A planner that answers otherwise is caught (the check can fail)."""
+    import planner_replay
+    from vllm_lookahead import planner as planner_mod
+
+    path = _recorded_plans(tmp_path, monkeypatch)
+    plan = planner_mod.Planner.plan
+    monkeypatch.setattr(planner_mod.Planner, "plan",
+                        lambda self, views, *a, **k: [planner_mod.OFF] * len(views)
+                        if len(views) > 3 else plan(self, views, *a, **k))
+    out = planner_replay.replay(planner_replay.load(str(path)))
+    assert out["mismatches"]
+    assert planner_replay.main([str(path), "--repeat", "1"]) == 1
+    assert "different (first: call" in capsys.readouterr().out

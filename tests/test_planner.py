@@ -1504,3 +1504,55 @@ def test_may_explore_needs_credit_for_the_tree_step():
     assert not planner.may_explore(4, 40)
     planner.explore_s = planner.EXPLORE_SHARE * planner.planned_s  # credit spent
     assert not planner.may_explore(4, 2)
+
+
+def test_cost_caches_answer_as_the_curve_does():
+    """The curve's per-batch ladders, the plain step's memo and the jump
+    constants are the curve's own numbers: the same answers as computed
+    afresh, before and after a pickle round trip (a recording of planner
+    calls, benchmarks/planner_replay.py), and a pickled curve is equal to
+    its original."""
+    import pickle
+
+    curve = curve_from(avx2_bf16, batches=(1, 2, 4, 8), tokens=(1, 2, 4, 8, 16))
+    m = CostModel(curve)
+    grid = [(b, t) for b in (1, 2, 3, 4, 5, 8, 12, 16, 40) for t in (1.0, 1.25, 2.0, 3.5, 8.0, 30.0)]
+    first = [m.plain(b, t) for b, t in grid]
+    assert first == [m._plain_of(b, t) for b, t in grid]  # memo = computed
+    assert first == [m.plain(b, t) for b, t in grid]  # and read again
+    def rows(b, t):  # CostModel._rows as its docstring says, nothing kept
+        c1 = curve.predict(b, 1)
+        if t <= 1:
+            return c1
+        jump = max(curve.predict(b, 2) - c1 - max(curve.predict(b, 16) - curve.predict(b, 2),
+                                                  0.0) / 14, 0.0)
+        return max(curve.predict(b, t) - jump, c1)
+
+    def plain(b, t):
+        if b <= 1 or t <= 1:
+            return rows(b, t)
+        c1 = curve.predict(b, 1)
+        return max(min(rows(b, t), c1 + rows(1, b * t) - rows(1, b)), c1)
+
+    assert first == [plain(b, t) for b, t in grid]
+    # the curve's ladder read where it was measured, and between
+    assert [curve.predict(4, t) for t, _ in curve.points[4]] == [s for _, s in curve.points[4]]
+    assert curve.predict(4, 3.0) == pytest.approx(sum(s for t, s in curve.points[4] if t in (2, 4)) / 2)
+    again = pickle.loads(pickle.dumps(m))
+    assert again.curve == curve
+    assert [again.plain(b, t) for b, t in grid] == first
+    assert [again.predict(b, t, tree=True) for b, t in grid] == [m.predict(b, t, tree=True)
+                                                                 for b, t in grid]
+    # a model pickled before its caches existed loads with them empty
+    state = dict(m.__dict__)
+    del state["_jumps"], state["_plain"]
+    old = CostModel.__new__(CostModel)
+    old.__setstate__(state)
+    assert [old.plain(b, t) for b, t in grid] == first
+
+
+def test_plain_memo_is_bounded():
+    m = CostModel(curve_from(avx2_bf16))
+    for i in range(CostModel.MEMO_SIZE + 10):
+        m.plain(4, 1.0 + i / 1000)
+    assert len(m._plain) <= CostModel.MEMO_SIZE

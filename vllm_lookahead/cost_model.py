@@ -110,10 +110,28 @@ class CostCurve:
             if rows:
                 verify[kind] = dict(sorted(rows.items()))
         self.verify = verify
+        self._index()
+
+    def _index(self) -> None:
+        """What :meth:`predict` reads on every call, taken once (the points
+        never change after construction): the batches, ascending, and each
+        batch's token ladder."""
+        self._bs = list(self.points)
+        self._ts = {b: [t for t, _ in pts] for b, pts in self.points.items()}
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_bs", None)
+        state.pop("_ts", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._index()
 
     @property
     def batches(self) -> list[int]:
-        return list(self.points)
+        return list(self._bs)
 
     def _at(self, batch: int, tokens: float) -> float:
         """Piecewise-linear in tokens for one measured batch; linear
@@ -123,7 +141,7 @@ class CostCurve:
         level (noise, a measurement under load) must not price every token
         past its end at nothing."""
         pts = self.points[batch]
-        ts = [t for t, _ in pts]
+        ts = self._ts[batch]
         if tokens <= ts[0] or len(pts) == 1:
             if len(pts) == 1:
                 t0, s0 = pts[0]
@@ -145,7 +163,7 @@ class CostCurve:
         total number of tokens."""
         batch = max(int(batch), 1)
         tokens = max(float(tokens), 1.0)
-        bs = self.batches
+        bs = self._bs
         if batch in self.points:
             return self._at(batch, tokens)
         if batch > bs[-1]:
@@ -358,6 +376,11 @@ class CostModel:
 
     def __init__(self, curve: CostCurve, ema: float = 0.05, source: str = "measured") -> None:
         self.curve = curve
+        #: batch -> (the curve's one-token step, its jump from 1 to 2 rows):
+        #: :meth:`_rows`' constants of the (never changing) curve
+        self._jumps: dict[int, tuple[float, float]] = {}
+        #: (batch, tokens) -> :meth:`plain`
+        self._plain: dict[tuple[int, float], float] = {}
         self.ema = ema
         self.source = source
         self._log: dict[int, float] = {}  # steps with trees: bucket -> log factor
@@ -379,11 +402,28 @@ class CostModel:
         #: model's answers is kept for one generation)
         self.generation = 0
 
+    def __setstate__(self, state: dict) -> None:
+        # a model pickled before a cache was added to it (a recording of
+        # planner calls, benchmarks/planner_replay.py) gets it empty
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_jumps", {})
+        self.__dict__.setdefault("_plain", {})
+
     def plain(self, batch: int, tokens: float) -> float:
         """Curve seconds of a step without trees (see the class doc): the
         curve less its fixed jump from 1 to 2 rows, and never more per
         draft token than a one-request step of as many query tokens pays
-        for one more (:meth:`_rows`)."""
+        for one more (:meth:`_rows`). The curve's alone, so kept for good
+        (bounded: :attr:`MEMO_SIZE`)."""
+        key = (batch, tokens)
+        got = self._plain.get(key)
+        if got is None:
+            if len(self._plain) >= self.MEMO_SIZE:
+                self._plain.clear()
+            got = self._plain[key] = self._plain_of(batch, tokens)
+        return got
+
+    def _plain_of(self, batch: int, tokens: float) -> float:
         tree_path = self._rows(batch, tokens)
         if batch <= 1 or tokens <= 1:
             return tree_path
@@ -404,12 +444,15 @@ class CostModel:
         """The curve at ``batch`` requests of ``tokens`` query tokens, less
         its fixed jump from 1 to 2 rows (the tree path's mask and
         gather), at least its one-token step."""
-        c1 = self.curve.predict(batch, 1)
+        got = self._jumps.get(batch)
+        if got is None:
+            c1 = self.curve.predict(batch, 1)
+            c2, c16 = self.curve.predict(batch, 2), self.curve.predict(batch, 16)
+            slope = max(c16 - c2, 0.0) / 14
+            got = self._jumps[batch] = (c1, max(c2 - c1 - slope, 0.0))
+        c1, jump = got
         if tokens <= 1:
             return c1
-        c2, c16 = self.curve.predict(batch, 2), self.curve.predict(batch, 16)
-        slope = max(c16 - c2, 0.0) / 14
-        jump = max(c2 - c1 - slope, 0.0)
         return max(self.curve.predict(batch, tokens) - jump, c1)
 
     def verify(self, batch: int, sampled: bool) -> tuple[float, float]:

@@ -491,6 +491,7 @@ class Planner:
         table, roots = _tree_table(n, v.window_size, v.guess_set_size)
         cap, room = n - 1, v.room
         p_chain = v.draft_p(tree=True)  # the checked chain's, as verified
+        verify = {}  # d -> v.verify_s(d, p_chain): a few lengths for a dozen trees
         for (w, g, nodes), m in zip(table, acc.tree_gains(roots)):
             if m > cap:
                 m = cap
@@ -502,8 +503,10 @@ class Planner:
             gain = m * checked
             if catch_up is not None:
                 gain *= catch_up
-            out.append(_shape(("tree", d, w, g, nodes, 1 + gain,
-                               extra_1 + v.verify_s(d, p_chain))))
+            vs = verify.get(d)
+            if vs is None:
+                vs = verify[d] = v.verify_s(d, p_chain)
+            out.append(_shape(("tree", d, w, g, nodes, 1 + gain, extra_1 + vs)))
         return out
 
     #: What a seeded request's draft costs beyond the forward's rows, in
@@ -786,7 +789,12 @@ class Planner:
                     v_base = n_ver - cver
                     best, best_val = pick[r], None
                     for j, (oq, otree, otok, oextra, odraft, over) in enumerate(opts):
-                        sec = seconds(q_base + oq, t_base + otree, d_base + odraft)
+                        # seconds(), its memo read inline (the search's
+                        # innermost line: hundreds a step at 16 sequences)
+                        key = (q_base + oq, t_base + otree > 0, d_base + odraft)
+                        sec = memo.get(key)
+                        if sec is None:
+                            sec = seconds(*key)
                         if v_base or over:
                             sec += switch
                         val = otok - lam * (sec + oextra)
