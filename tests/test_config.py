@@ -47,7 +47,7 @@ def test_defaults_valid():
     assert cfg.disable_batch_size is None  # never: the planner decides
     assert cfg.prompt_pool is True
     assert cfg.seed == 0
-    assert cfg.learn_step_cost is False  # drafts priced at the start-up cost
+    assert cfg.learn_step_cost == "auto"  # learnt in buckets of 8 requests or more
     assert cfg.lookup_len == 0 and cfg.max_draft_len == cfg.ngram_size
     assert LookaheadConfig(lookup_len=16).max_draft_len == 16
     assert cfg.mode == "fused"
@@ -115,6 +115,13 @@ def test_bool_fields_must_be_bool(field, value):
     msg = str(ei.value)
     assert field in msg
     assert "true/false" in msg or "bool" in msg
+
+
+def test_learn_step_cost_takes_auto():
+    assert LookaheadConfig(learn_step_cost="auto").learn_step_cost == "auto"
+    for bad in ("Auto", "on", "", 8):
+        with pytest.raises(LookaheadConfigError, match="learn_step_cost.*\"auto\""):
+            LookaheadConfig(learn_step_cost=bad)
 
 
 @pytest.mark.parametrize("value", ["auto", "measure", "off"])

@@ -36,7 +36,7 @@ def test_engine_args_accept_lookahead(tiny_model_path):
         "ngram_size": 3, "window_size": 2, "guess_set_size": 1, "prompt_pool": True, "seed": 0,
         "mode": "fused", "max_tree_tokens": 0, "disable_batch_size": None,
         "adaptive": True, "cost_model": "auto", "shared_memory": True, "memory_tokens": 131072,
-        "lookup_len": 0, "parent_latency": True, "batch_end": False, "learn_step_cost": False,
+        "lookup_len": 0, "parent_latency": True, "batch_end": False, "learn_step_cost": "auto",
     }
     assert args.speculative_config == spec  # the user's dict is left as given
 

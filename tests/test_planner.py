@@ -695,6 +695,31 @@ def test_steps_without_trees_teach_nothing_where_the_step_cost_is_not_learnt():
     assert m.predict(4, 1.0, tree=False) == pytest.approx(0.2, rel=0.1)
 
 
+def test_auto_learns_the_step_cost_from_large_buckets_only():
+    """``learn_plain = "auto"`` (``learn_step_cost: "auto"``): slow steps
+    without trees correct a draft's price in buckets of
+    ``AUTO_LEARN_BUCKET`` requests or more, and leave it at the curve's
+    below."""
+    curve = curve_from(avx2_bf16)
+    m = CostModel(curve)
+    m.learn_plain = "auto"
+    big, small = CostModel.AUTO_LEARN_BUCKET, CostModel.AUTO_LEARN_BUCKET // 2
+    assert m.learns_plain(big) and m.learns_plain(2 * big) and not m.learns_plain(small)
+    before = {b: m.predict(b, 2, tree=False, drafting=b) for b in (small, big)}
+    for i in range(200):
+        n = i % 5
+        for b in (small, big):
+            m.observe(b, 1 + n / b, 3 * curve.predict(b, 1) * (1 + 0.2 * n), tree=False,
+                      drafting=n)
+    m.agreed(m.local_factors())
+    assert (small, False) not in m.factors and (big, False) in m.factors
+    assert m.predict(small, 2, tree=False, drafting=small) == before[small]
+    assert m.predict(big, 2, tree=False, drafting=big) > 1.5 * before[big]
+    for flag, buckets in ((True, (1, small, big)), (False, ())):
+        m.learn_plain = flag
+        assert [b for b in (1, small, big) if m.learns_plain(b)] == list(buckets)
+
+
 def test_a_step_with_trees_never_costs_less_than_without():
     """The tree factor and the plain line learn from different steps; where
     they disagree (steps without trees slower than the curve, tree steps

@@ -120,22 +120,25 @@ class LookaheadConfig:
             each request (or parent) for its own end.
         learn_step_cost: correct what a draft costs (the cost model's plane
             of steps without trees, ``CostModel.observe``) from the step
-            times the engine sees. False (the default): drafts are priced
-            from the cost curve and vLLM's verification as measured at
-            start-up (or cached), and only steps with trees correct their
-            price (an assumed curve, ``cost_model: "off"`` or an engine
-            where trees cannot run, is corrected from the steps still).
-            On the 2-vCPU AMX Xeon measured (stop 51, four engines
-            taking turns in one process, n = 4 and 16 sampled) the learnt
-            price moved from run to run by several times (a drafting
-            request 0.7-4.6 ms at 4 requests), and with it how often
-            lookahead drafted; held at the start-up price it drafted as
-            often as ``suffix`` and read +6.0, +8.5, +1.6 and +1.8%
-            paired. Over 13 more paired rows (stop 52) it read +1.2% at
-            n = 4, +3.2% on the template set at batch 1 and -3.0% at
-            n = 16, every n = 16 row below: there it drafts longer
-            without more tokens a step, and ``True`` read better
-            (README).
+            times the engine sees: ``True`` in every batch bucket,
+            ``"auto"`` (the default) in buckets of
+            ``CostModel.AUTO_LEARN_BUCKET`` (8) requests or more, ``False``
+            in none. Where it does not learn, drafts are priced from the
+            cost curve and vLLM's verification as measured at start-up (or
+            cached), and only steps with trees correct their price (an
+            assumed curve, ``cost_model: "off"`` or an engine where trees
+            cannot run, is corrected from the steps still). At 4 requests
+            and fewer the learnt price moved from run to run by several
+            times on the 2-vCPU AMX Xeon (a drafting request 0.7-4.6 ms,
+            stop 51) and the start-up price read better paired (+2.7% over
+            eight rows at n = 4, +3.2% on the template set at batch 1,
+            stops 51-52); at 16 sampled sequences the start-up price
+            drafts far longer without more tokens a step, and learning
+            read better: by 1.8% over eight paired rows on the Xeon
+            (stops 51-52), and on the 2-vCPU Zen 5 EPYC (stop 53) by +2.9
+            and +8.4% (seed 207) and, ``"auto"`` against ``False``, +3.6
+            and +11.6% (seed 208), where ``False`` read 0.981x vanilla
+            on MT-Bench (README).
 
     The defaults (N, W, G) = (4, 3, 3) are the fastest measured on a 2-core
     CPU (bfloat16, SmolLM2-135M, HumanEval and MT-Bench): there every query
@@ -157,7 +160,7 @@ class LookaheadConfig:
     lookup_len: int = 0
     parent_latency: bool = True
     batch_end: bool = False
-    learn_step_cost: bool = False
+    learn_step_cost: bool | str = "auto"
 
     _RANGES = {
         "ngram_size": (2, 16),
@@ -189,6 +192,13 @@ class LookaheadConfig:
                 continue
             if f.name == "cost_model":
                 self._check_cost_model(value)
+                continue
+            if f.name == "learn_step_cost":
+                if not (isinstance(value, bool) or value == "auto"):
+                    raise LookaheadConfigError(
+                        f"speculative_config['learn_step_cost'] must be a boolean "
+                        f"(true/false) or \"auto\", got {value!r}"
+                    )
                 continue
             if f.type in ("bool", bool):
                 if not isinstance(value, bool):

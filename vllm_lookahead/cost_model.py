@@ -371,8 +371,24 @@ class CostModel:
     #: verification as measured, whatever the steps show
     #: (``LookaheadConfig.learn_step_cost``, off by default in an engine)
     #: -- unless the curve was assumed (``source`` "assumed": nothing
-    #: measured, the steps are all that sets its scale).
-    learn_plain = True
+    #: measured, the steps are all that sets its scale). ``"auto"``: only
+    #: in buckets of :attr:`AUTO_LEARN_BUCKET` requests or more
+    #: (:meth:`learns_plain`).
+    learn_plain: bool | str = True
+    #: The smallest bucket whose plain steps ``learn_plain = "auto"``
+    #: learns from. In a step of that many requests many of them draft, so
+    #: the steps spread in draft tokens and drafting requests and the
+    #: plane's slopes are fitted from every step; in a step of a few, a
+    #: handful of slow drafting steps set them (at 4 requests on the AMX
+    #: Xeon they moved several times over from run to run, stop 51). And
+    #: there the start-up price comes out short: what vLLM's CPU attention
+    #: pays per request with more than one query token, which the curve's
+    #: tree-path steps and batch-1 rows (:meth:`plain`) do not show, grows
+    #: with the requests that draft (paired at 16 samples: learnt better in
+    #: all six rows on the AMX Xeon, stop 52, and in both of the Zen 5's,
+    #: stop 53; at 4 the start-up price read better on the Xeon, stops
+    #: 51-52).
+    AUTO_LEARN_BUCKET = 8
 
     def __init__(self, curve: CostCurve, ema: float = 0.05, source: str = "measured") -> None:
         self.curve = curve
@@ -552,9 +568,9 @@ class CostModel:
         kinds; None: none counted)."""
         if not seconds > 0 or not math.isfinite(seconds):
             return
-        if not tree and not self.learn_plain and self.source != "assumed":
-            return
         b = bucket_of(batch)
+        if not tree and self.source != "assumed" and not self.learns_plain(b):
+            return
         if not tree:
             line = self._lines.get(b)
             if line is None:
@@ -603,6 +619,14 @@ class CostModel:
         # A plain mean for the first few, then exponential forgetting.
         w = max(1.0 / (n - self.SKIP_FIRST + 1), self.ema)
         self._log[b] = (1 - w) * self._log.get(b, 0.0) + w * r
+
+    def learns_plain(self, bucket: int) -> bool:
+        """Whether the steps without trees of ``bucket`` requests correct
+        the price of a draft (:attr:`learn_plain`, the curve assumed or
+        not aside)."""
+        if self.learn_plain == "auto":
+            return bucket >= self.AUTO_LEARN_BUCKET
+        return bool(self.learn_plain)
 
     def local_factors(self) -> dict[tuple[int, bool], object]:
         out: dict[tuple[int, bool], object] = {(b, True): math.exp(v) for b, v in self._log.items()}
