@@ -136,8 +136,9 @@ class LookaheadConfig:
             drafts far longer without more tokens a step, and learning
             read better: by 1.8% over eight paired rows on the Xeon
             (stops 51-52), and on the 2-vCPU Zen 5 EPYC (stop 53) by +2.9
-            and +8.4% (seed 207) and, ``"auto"`` against ``False``, +3.6
-            and +11.6% (seed 208), where ``False`` read 0.981x vanilla
+            and +8.4% (``True``, seed 207) and, ``"auto"`` against
+            ``False``, +3.6 and +11.6% (seed 208) and +8.7 and +13.5%
+            (seed 209), where ``False`` read 0.981x and 0.961x vanilla
             on MT-Bench (README).
 
     The defaults (N, W, G) = (4, 3, 3) are the fastest measured on a 2-core
