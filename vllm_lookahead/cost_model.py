@@ -369,7 +369,8 @@ class CostModel:
     #: Whether steps without trees are booked (the plain plane learnt);
     #: False: they are priced from the curve (:meth:`plain`) and the
     #: verification as measured, whatever the steps show
-    #: (``LookaheadConfig.learn_step_cost``, off by default in an engine)
+    #: (``LookaheadConfig.learn_step_cost``; ``"auto"`` by default in an
+    #: engine)
     #: -- unless the curve was assumed (``source`` "assumed": nothing
     #: measured, the steps are all that sets its scale). ``"auto"``: only
     #: in buckets of :attr:`AUTO_LEARN_BUCKET` requests or more
@@ -385,9 +386,9 @@ class CostModel:
     #: pays per request with more than one query token, which the curve's
     #: tree-path steps and batch-1 rows (:meth:`plain`) do not show, grows
     #: with the requests that draft (paired at 16 samples: learnt better in
-    #: all six rows on the AMX Xeon, stop 52, and in both of the Zen 5's,
-    #: stop 53; at 4 the start-up price read better on the Xeon, stops
-    #: 51-52).
+    #: all six rows on the AMX Xeon, stop 52, and in all six of three runs
+    #: on the Zen 5, stop 53; at 4 the start-up price read better on the
+    #: Xeon, stops 51-52).
     AUTO_LEARN_BUCKET = 8
 
     def __init__(self, curve: CostCurve, ema: float = 0.05, source: str = "measured") -> None:
