@@ -388,7 +388,8 @@ class CostModel:
     #: with the requests that draft (paired at 16 samples: learnt better in
     #: all six rows on the AMX Xeon, stop 52, and in all six of three runs
     #: on the Zen 5, stop 53; at 4 the start-up price read better on the
-    #: Xeon, stops 51-52).
+    #: Xeon, stops 51-52, and on the Zen 5, -4.9 and -3.9% learnt, stop 53;
+    #: at 8, on the Zen 5, +0.3 and +1.4% learnt).
     AUTO_LEARN_BUCKET = 8
 
     def __init__(self, curve: CostCurve, ema: float = 0.05, source: str = "measured") -> None:
