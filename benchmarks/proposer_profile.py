@@ -28,6 +28,7 @@ import collections
 import functools
 import json
 import os
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -152,8 +153,6 @@ class Recorder:
         self.calls: list[tuple[bytes, tuple, tuple]] = []
 
     def install(self) -> None:
-        import pickle
-
         from vllm_lookahead import planner as planner_mod
         plan, calls, counters = planner_mod.Planner.plan, self.calls, self.PLAN_COUNTERS
 
@@ -168,7 +167,6 @@ class Recorder:
         planner_mod.Planner.plan = recorded
 
     def save(self, path: str) -> None:
-        import pickle
         Path(path).write_bytes(pickle.dumps({"counters": self.PLAN_COUNTERS,
                                              "calls": self.calls}))
 

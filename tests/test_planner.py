@@ -1573,6 +1573,10 @@ def test_cost_caches_answer_as_the_curve_does():
     del state["_jumps"], state["_plain"]
     old = CostModel.__new__(CostModel)
     old.__setstate__(state)
+    old_curve = dict(curve.__dict__)  # and a curve pickled before its ladders were kept
+    del old_curve["_bs"], old_curve["_ts"]
+    old.curve = CostCurve.__new__(CostCurve)
+    old.curve.__setstate__(old_curve)
     assert [old.plain(b, t) for b, t in grid] == first
 
 

@@ -119,13 +119,9 @@ class CostCurve:
         self._bs = list(self.points)
         self._ts = {b: [t for t, _ in pts] for b, pts in self.points.items()}
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state.pop("_bs", None)
-        state.pop("_ts", None)
-        return state
-
     def __setstate__(self, state: dict) -> None:
+        # a curve pickled before these were kept (a recording of planner
+        # calls, benchmarks/planner_replay.py) gets them
         self.__dict__.update(state)
         self._index()
 
