@@ -8,9 +8,11 @@ everything accepted after it, fed step by step, so requests running at the
 same time see each other's text -- and answers "what followed the last
 ``m`` tokens of this text elsewhere?" for ``m`` in :data:`KEY_LENS`.
 
-Pure numpy, no vLLM; one per proposer (per tensor-parallel rank: every
-rank feeds it the same tokens in the same order and hashes deterministically,
-so all ranks draft alike).
+Pure Python, no vLLM (its tables and documents are Python arrays,
+``array.array``: read and written a few scalars at a time, where numpy's
+per-scalar cost was most of the memory's time in the engine); one per
+proposer (per tensor-parallel rank: every rank feeds it the same tokens in
+the same order and hashes deterministically, so all ranks draft alike).
 
 Layout and bounds:
 
@@ -59,6 +61,7 @@ own scope, and never of the asking request's own document.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 
 import numpy as np
@@ -107,10 +110,14 @@ class _Doc:
 
     def __init__(self, scope: int) -> None:
         self.scope = scope
-        self.tokens = np.empty(64, dtype=np.int32)
-        #: per key length and place j: the place the key's slot held before
-        #: j took it (``doc << 32 | pos``; -1: none), a chain, newest first
-        self.prev = np.full((len(KEY_LENS), 64), -1, dtype=np.int64)
+        #: its tokens (int32; ``array``, not numpy: the memory reads and
+        #: writes them a few at a time, where a numpy scalar costs several
+        #: times a Python list's or array's)
+        self.tokens = array("i")
+        #: per key length, for each place j < indexed: the place the key's
+        #: slot held before j took it (``doc << 32 | pos``; -1: none), a
+        #: chain, newest first
+        self.prev = tuple(array("q", [-1]) for _ in KEY_LENS)  # place 0: never a key's end
         self.n = 0
         #: positions j < indexed have their keys (ending at j) in the tables
         self.indexed = 0
@@ -133,23 +140,33 @@ class SharedMemory:
         self.delay = max(int(delay), 1)
         self.min_prob = float(min_prob)
         self.max_docs = max(self.capacity // MIN_DOC_TOKENS, 1)
-        slots = 1 << max(int(self.capacity - 1).bit_length(), 8)
+        self._slots = slots = 1 << max(int(self.capacity - 1).bit_length(), 8)
         self._mask = slots - 1
-        self._doc = np.full((len(KEY_LENS), slots), -1, dtype=np.int32)
-        self._pos = np.zeros((len(KEY_LENS), slots), dtype=np.int32)
         self._docs: OrderedDict[int, _Doc] = OrderedDict()
-        sets = 1 << max(int(self.capacity // HARVEST_TOKENS_PER_SET - 1).bit_length(), 4)
+        self._sets = sets = 1 << max(int(self.capacity // HARVEST_TOKENS_PER_SET - 1).bit_length(), 4)
         self._hmask = sets - 1
-        #: per set: the (scope, key) hash of each way (0: empty) and its n-gram
-        self._htag = np.zeros((sets, HARVEST_WAYS), dtype=np.int64)
-        self._hgram = np.zeros((sets, HARVEST_WAYS, max(self.delay - 1, 1)), dtype=np.int32)
-        #: the followers table, as the harvest's (fed with the text)
-        self._ftag = np.zeros_like(self._htag)
-        self._fgram = np.zeros_like(self._hgram)
+        #: n-gram length of the harvest and followers tables
+        self._gram = max(self.delay - 1, 1)
+        self._reset_tables()
         self.harvested = 0  # n-grams added since start (or the last clear)
         self._next_id = 0
         self.tokens = 0  # held over all documents
         self.evicted = 0  # documents evicted since start
+
+    def _reset_tables(self) -> None:
+        """The index (per key length, a slot's document, -1 for none, and
+        position) and the two set-associative tables (per set and way, in
+        flat arrays: the (scope, key) tag, 0 for empty, and the n-gram),
+        empty. Python arrays (``array.array``), read and written a scalar at a
+        time: a numpy scalar costs several times more."""
+        slots, ways = self._slots, self._sets * HARVEST_WAYS
+        self._doc = tuple(array("i", [-1]) * slots for _ in KEY_LENS)
+        self._pos = tuple(array("i", [0]) * slots for _ in KEY_LENS)
+        self._htag = array("q", [0]) * ways
+        self._hgram = array("i", [0]) * (ways * self._gram)
+        #: the followers table, as the harvest's (fed with the text)
+        self._ftag = array("q", [0]) * ways
+        self._fgram = array("i", [0]) * (ways * self._gram)
 
     # -- writing -----------------------------------------------------------
     def open(self, scope: int, prompt: np.ndarray) -> int:
@@ -175,17 +192,8 @@ class SharedMemory:
         if doc.n + k > self.capacity:
             doc.full = True
             return
-        need = doc.n + k
-        if need > doc.tokens.size:
-            size = max(need, 2 * doc.tokens.size)
-            grown = np.empty(size, dtype=np.int32)
-            grown[: doc.n] = doc.tokens[: doc.n]
-            doc.tokens = grown
-            chains = np.full((len(KEY_LENS), size), -1, dtype=np.int64)
-            chains[:, : doc.n] = doc.prev[:, : doc.n]
-            doc.prev = chains
-        doc.tokens[doc.n: need] = np.asarray(tokens, dtype=np.int32)
-        doc.n = need
+        doc.tokens.extend(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)
+        doc.n += k
         self.tokens += k
         self._index(doc_id, doc, doc.n - self.delay)
         if self.tokens > self.capacity:
@@ -202,7 +210,7 @@ class SharedMemory:
         """An n-gram a request's Jacobi window produced: ``key`` followed by
         ``cont`` (``delay - 1`` tokens; other lengths are ignored). It
         becomes the newest of its key's set; the oldest leaves."""
-        if len(cont) != self._hgram.shape[2]:
+        if len(cont) != self._gram:
             return
         self._push(self._htag, self._hgram, scope, key, cont)
         self.harvested += 1
@@ -212,22 +220,22 @@ class SharedMemory:
         harvest's or the followers'): the newest of its key's set, the
         set's oldest out."""
         tag = _tag(scope, key)
-        row = hash((scope, int(key))) & self._hmask
-        tags, grams = table_tags[row], table_grams[row]
-        cont = np.asarray(cont, dtype=np.int32)
+        base = (hash((scope, int(key))) & self._hmask) * HARVEST_WAYS
+        g = self._gram
+        cont = list(cont)
         at = HARVEST_WAYS - 1
-        held = tags.tolist()  # one conversion, not a numpy scalar per way
+        held = table_tags[base: base + HARVEST_WAYS]
         if tag in held:
-            want = cont.tolist()
             for w, t in enumerate(held):
-                if t == tag and grams[w].tolist() == want:
+                if t == tag and table_grams[(base + w) * g: (base + w + 1) * g].tolist() == cont:
                     at = w
                     break
-        # shift ways 0..at-1 down one, the n-gram in front
+        # shift ways 0..at-1 down one (a slice is a copy), the n-gram in front
         if at:
-            tags[1: at + 1] = tags[:at].copy()
-            grams[1: at + 1] = grams[:at].copy()
-        tags[0], grams[0] = tag, cont
+            table_tags[base + 1: base + at + 1] = table_tags[base: base + at]
+            table_grams[(base + 1) * g: (base + at + 1) * g] = table_grams[base * g: (base + at) * g]
+        table_tags[base] = tag
+        table_grams[base * g: (base + 1) * g] = array("i", cont)
 
     def ngrams(self, scope: int, key: int) -> list[tuple[int, ...]]:
         """The continuations of ``key`` the windows of ``scope``'s requests
@@ -242,46 +250,45 @@ class SharedMemory:
 
     def _read(self, table_tags, table_grams, scope: int, key: int) -> list[tuple[int, ...]]:
         tag = _tag(scope, key)
-        row = hash((scope, int(key))) & self._hmask
-        tags = table_tags[row]
-        return [tuple(table_grams[row, w].tolist()) for w in range(HARVEST_WAYS)
-                if tags[w] == tag]
+        base = (hash((scope, int(key))) & self._hmask) * HARVEST_WAYS
+        g = self._gram
+        return [tuple(table_grams[w * g: (w + 1) * g])
+                for w in range(base, base + HARVEST_WAYS) if table_tags[w] == tag]
 
     def clear(self) -> None:
         """Forget everything (``reset_prefix_cache``)."""
-        self._htag.fill(0)
-        self._ftag.fill(0)
+        self._reset_tables()
         self.harvested = 0
-        self._doc.fill(-1)
         self._docs.clear()
         self.tokens = 0
 
     def _index(self, doc_id: int, doc: _Doc, upto: int) -> None:
         """Index the places ``doc.indexed .. upto`` (continuation start j:
         the key is ``tokens[j-m:j]``)."""
-        toks = doc.tokens
         mask = self._mask
         scope = doc.scope
         start = max(doc.indexed, 1)
         if upto < start:
             return
+        follow = self._gram  # the followers' continuation length
         base = max(start - KEY_LENS[0], 0)
-        seq = toks[base: upto].tolist()
-        docs, poss, prev = self._doc, self._pos, doc.prev
-        follow = self._fgram.shape[2]  # the followers' continuation length
+        seq = doc.tokens[base: min(upto + follow, doc.n)].tolist()
+        n_seq = len(seq)
+        tables = tuple(zip(KEY_LENS, self._doc, self._pos, doc.prev))
+        push, ftag, fgram = self._push, self._ftag, self._fgram
         for j in range(start, upto + 1):
-            if j + follow <= doc.n:
-                self._push(self._ftag, self._fgram, scope, seq[j - 1 - base],
-                           toks[j: j + follow])
-            for t, m in enumerate(KEY_LENS):
+            at = j - base
+            if at + follow <= n_seq:
+                push(ftag, fgram, scope, seq[at - 1], seq[at: at + follow])
+            for m, docs, poss, prev in tables:
                 if j < m:
+                    prev.append(-1)
                     continue
-                key = seq[j - m - base: j - base]
-                slot = hash((scope, *key)) & mask
-                held = int(docs[t, slot])
-                prev[t, j] = (held << 32) | int(poss[t, slot]) if held >= 0 else -1
-                docs[t, slot] = doc_id
-                poss[t, slot] = j
+                slot = hash((scope, *seq[at - m: at])) & mask
+                held = docs[slot]
+                prev.append((held << 32) | poss[slot] if held >= 0 else -1)
+                docs[slot] = doc_id
+                poss[slot] = j
         doc.indexed = upto + 1
 
     def _evict(self) -> None:
@@ -321,7 +328,7 @@ class SharedMemory:
                 continue
             key = text[n - m: n].tolist()
             slot = hash((scope, *key)) & mask
-            conts = self._continuations(t, int(self._doc[t, slot]), int(self._pos[t, slot]),
+            conts = self._continuations(t, self._doc[t][slot], self._pos[t][slot],
                                         scope, own, key, k)
             if not conts:
                 continue
@@ -345,7 +352,8 @@ class SharedMemory:
             doc = self._docs.get(doc_id)
             if doc is None:  # evicted: older places are older still
                 break
-            nxt = int(doc.prev[t, j]) if j < doc.prev.shape[1] else -1
+            chain = doc.prev[t]
+            nxt = chain[j] if j < len(chain) else -1
             if (doc_id != own and doc.scope == scope and m <= j <= doc.n
                     and doc.tokens[j - m: j].tolist() == key):
                 cont = doc.tokens[j: min(j + k, doc.n)].tolist()
@@ -361,6 +369,8 @@ class SharedMemory:
 
     def nbytes(self) -> int:
         """Bytes held: the index tables and the documents' arrays."""
-        return int(self._doc.nbytes + self._pos.nbytes + self._htag.nbytes + self._hgram.nbytes
-                   + self._ftag.nbytes + self._fgram.nbytes
-                   + sum(d.tokens.nbytes + d.prev.nbytes for d in self._docs.values()))
+        tables = (*self._doc, *self._pos, self._htag, self._hgram, self._ftag, self._fgram)
+        return int(sum(a.itemsize * len(a) for a in tables)
+                   + sum(d.tokens.itemsize * len(d.tokens)
+                         + sum(c.itemsize * len(c) for c in d.prev)
+                         for d in self._docs.values()))
