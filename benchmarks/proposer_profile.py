@@ -105,7 +105,7 @@ PARTS = (
     ("memory", "SharedMemory", "extend", "SharedMemory.extend", ()),
     ("memory", "SharedMemory", "lookup_vote", "SharedMemory.lookup_vote", ()),
     ("state", "RequestState", "add_context_ngrams", "add_context_ngrams", ()),
-    ("state", None, "suffix_vote", "suffix_vote", ("drafting",)),
+    ("state", "TextIndex", "vote", "TextIndex.vote", ()),
     ("drafting", None, "account", "account", ("proposer",)),
     ("drafting", None, "harvest", "harvest", ("proposer",)),
     ("drafting", None, "lookup", "lookup", ("step",)),

@@ -560,3 +560,43 @@ def test_suffix_vote_finds_the_longest_match_and_its_places(max_len):
             got = suffix_vote(text, n, 8, 2, max_len, min_prob)
             want = _suffix_vote_by_length(text, n, 8, 2, max_len, min_prob)
             assert got == want, (text.tolist(), max_len, min_prob)
+
+
+def test_text_index_answers_as_suffix_vote() -> None:
+    """The request's indexed text (fed as it grows, a few tokens a call)
+    answers every lookup as suffix_vote's pass over the whole text does:
+    small vocabularies (long, many-place matches), both key caps, voted
+    and newest-place drafts, k from 0 up."""
+    from vllm_lookahead.state import TextIndex, suffix_vote
+
+    checked = 0
+    for seed in range(80):
+        rng = np.random.default_rng(seed)
+        vocab = (3, 6, 20, 100)[seed % 4]
+        size = int(rng.integers(3, 300))
+        toks = rng.integers(0, vocab, size + 10).astype(np.int32)
+        index = TextIndex()
+        n = int(rng.integers(1, 5))
+        while n <= size:
+            for max_len in (4, 24):
+                for min_prob in (None, 0.1):
+                    k = int(rng.integers(0, 8))
+                    want = suffix_vote(toks, n, k, min_prob=min_prob, max_len=max_len)
+                    got = index.vote(toks, n, k, min_prob=min_prob, max_len=max_len)
+                    assert got == want, (seed, n, k, min_prob, max_len)
+                    checked += bool(want[0])
+            n += int(rng.integers(1, 4))
+    assert checked > 1000  # most lookups found something to compare
+
+
+def test_text_index_starts_again_on_other_text() -> None:
+    """A text that does not extend the indexed one (shorter, or another
+    token where the indexed text ended) is indexed afresh, not mixed in."""
+    from vllm_lookahead.state import TextIndex, suffix_vote
+
+    index = TextIndex()
+    a = np.array([1, 2, 3, 1, 2, 3, 1, 2], dtype=np.int32)
+    assert index.vote(a, 8, 2) == suffix_vote(a, 8, 2) == ([3, 1], 4, "")
+    b = np.array([5, 2, 7, 1, 2, 9, 1, 3, 1, 2], dtype=np.int32)  # b[7] != a[7]
+    assert index.vote(b, 10, 2) == suffix_vote(b, 10, 2) == ([9, 1], 2, "")
+    assert index.vote(a, 5, 2) == suffix_vote(a, 5, 2)

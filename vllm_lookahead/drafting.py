@@ -29,7 +29,6 @@ from vllm_lookahead.state import (
     choose_candidate,
     request_seed,
     suffix_lookup,
-    suffix_vote,
 )
 from vllm_lookahead.trees import PlannedTree
 
@@ -155,8 +154,8 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
     draft, source, matched = [], SOURCE_PROMPT, 0
     agree = ""
     if prompt_pool:
-        draft, matched, agree = suffix_vote(tokens, n_tok, k, min_prob=MIN_PROB,
-                                            max_len=LONG_MATCH if long else 4)
+        draft, matched, agree = state.text_index.vote(tokens, n_tok, k, min_prob=MIN_PROB,
+                                                      max_len=LONG_MATCH if long else 4)
         if long:
             draft = draft[:max(n, matched)]
     state.lookup_kind = f"{match_kind('suffix', matched)}{agree}" if draft else "pool"

@@ -220,6 +220,8 @@ class RequestState:
     #: tokens the memory has.
     memory_scope: int = 0
     memory_upto: int = 0
+    #: Its own text, indexed for the lookup (:class:`TextIndex`).
+    text_index: "TextIndex" = field(default_factory=lambda: TextIndex())
 
     def add_context_ngrams(self, tokens: np.ndarray, n: int, upto: int) -> None:
         """Add every n-gram of ``tokens[:upto]`` not added yet (prompt pool)."""
@@ -377,3 +379,67 @@ def choose_candidate(
         if best < 0 or (m, c) > (matches[best], counts[best]):
             best = i
     return best
+
+
+class TextIndex:
+    """A request's own text, indexed as it grows, for :func:`suffix_vote`'s
+    lookup of its newest tokens: the same answers, without a pass over the
+    whole text per step. Keeps the text as a Python list and, per pair of
+    tokens, the places (ends, ascending) where it occurs; each call adds
+    what the text gained since the last.
+
+    A lookup costs a dict read and a pass over the places of the text's
+    last two tokens, against :func:`suffix_vote`'s half a dozen numpy
+    calls over the whole text (which the forward between two steps leaves
+    out of the caches)."""
+
+    __slots__ = ("toks", "ends")
+
+    def __init__(self) -> None:
+        self.toks: list[int] = []
+        #: (token e-1, token e) -> the ends e with that pair, ascending
+        #: (every e <= len(toks) - 2: the newest pair is added with the
+        #: next token, as the lookup's own suffix is no earlier place)
+        self.ends: dict[tuple[int, int], list[int]] = {}
+
+    def vote(self, tokens: np.ndarray, n: int, k: int, min_prob: float | None = None,
+             max_len: int = 4, max_places: int = MAX_PLACES) -> tuple[list[int], int, str]:
+        """:func:`suffix_vote` ``(tokens, n, k, 2, max_len, min_prob,
+        max_places)``. ``tokens[:n]`` must extend the text of the last call,
+        as a request's tokens do (a preempted request gets a new state); a
+        shorter text, or one whose token where the last call's text ended
+        differs, is indexed afresh (a check of one token, not of all)."""
+        toks = self.toks
+        have = len(toks)
+        if n < have or (have and int(tokens[have - 1]) != toks[-1]):
+            self.toks, self.ends = [], {}
+            toks, have = self.toks, 0
+        if n > have:
+            toks.extend(np.asarray(tokens[have:n]).tolist())
+            ends = self.ends
+            # pairs ending at e = have - 1 .. n - 2 (before: up to have - 2)
+            for e in range(max(have - 1, 1), n - 1):
+                key = (toks[e - 1], toks[e])
+                got = ends.get(key)
+                if got is None:
+                    ends[key] = [e]
+                else:
+                    got.append(e)
+        if k <= 0 or n - 1 < 2:
+            return [], 0, ""
+        ends = self.ends.get((toks[n - 2], toks[n - 1]))
+        if not ends:
+            return [], 0, ""
+        m, top = 2, min(max_len, n - 1)
+        while m < top:
+            want = toks[n - 1 - m]
+            longer = [e for e in ends if e >= m and toks[e - m] == want]
+            if not longer:
+                break
+            ends, m = longer, m + 1
+        if min_prob is None or len(ends) == 1:
+            e = ends[-1]
+            return toks[e + 1: e + 1 + k], m, ""
+        conts = [toks[e + 1: e + 1 + k] for e in reversed(ends[-max_places:])]
+        draft = vote_draft(conts, k, min_prob)
+        return draft, m, agreement(conts, draft)
