@@ -58,7 +58,8 @@ def test_defaults_valid():
     assert cfg.batch_end is False
     assert set(cfg.field_names()) == set(RANGES) | {"prompt_pool", "mode", "adaptive",
                                                     "cost_model", "shared_memory",
-                                                    "parent_latency", "batch_end", "learn_step_cost"}
+                                                    "parent_latency", "batch_end", "learn_step_cost",
+                                                    "min_draft_p"}
     assert LookaheadConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -455,3 +456,12 @@ def test_request_window_zero_needs_prompt_pool():
     with pytest.raises(LookaheadConfigError, match="prompt_pool"):
         request_settings({"lookahead": {"window_size": 0}}, engine)
     assert request_settings({"lookahead": False}, engine).enabled is False
+
+
+def test_min_draft_p_is_a_share():
+    assert LookaheadConfig().min_draft_p == 0.1  # suffix decoding's min_token_prob
+    assert LookaheadConfig(min_draft_p=0).min_draft_p == 0
+    assert LookaheadConfig(min_draft_p=1).min_draft_p == 1
+    for bad in (-0.1, 1.5, "0.1", True, None):
+        with pytest.raises(LookaheadConfigError, match="min_draft_p"):
+            LookaheadConfig(min_draft_p=bad)

@@ -37,6 +37,7 @@ def test_engine_args_accept_lookahead(tiny_model_path):
         "mode": "fused", "max_tree_tokens": 0, "disable_batch_size": None,
         "adaptive": True, "cost_model": "auto", "shared_memory": True, "memory_tokens": 131072,
         "lookup_len": 0, "parent_latency": True, "batch_end": False, "learn_step_cost": "auto",
+        "min_draft_p": 0.1,
     }
     assert args.speculative_config == spec  # the user's dict is left as given
 
@@ -62,6 +63,7 @@ def test_defaults_are_documented_values(tiny_model_path):
         ({"prompt_lookup_max": 3}, "prompt_lookup_max"),
         ({"cost_model": "/no/such/curve.json"}, "cost_model"),
         ({"cost_model": 3}, "cost_model"),
+        ({"min_draft_p": 2}, "min_draft_p"),
     ],
 )
 def test_bad_settings_fail_at_start_naming_the_field(spec, field, tiny_model_path):

@@ -1585,3 +1585,36 @@ def test_plain_memo_is_bounded():
     for i in range(CostModel.MEMO_SIZE + 10):
         m.plain(4, 1.0 + i / 1000)
     assert len(m._plain) <= CostModel.MEMO_SIZE
+
+
+# -- min_draft_p: a floor under what a draft token may be worth ---------------------
+def test_draft_cap_is_where_the_whole_draft_falls_below_the_floor():
+    planner = Planner(model(gpu))
+    planner.min_draft_p = 0.1
+    assert planner.draft_cap(0.5) == 3  # 0.5^3 = 0.125 >= 0.1 > 0.0625
+    assert planner.draft_cap(0.8) == 10  # 0.8^10 = 0.107
+    assert planner.draft_cap(0.1) == 1
+    assert planner.draft_cap(0.05) == 0  # not even the first token
+    assert planner.draft_cap(1.0) >= 1 << 20  # sure tokens: no cap
+    planner.min_draft_p = 0.0
+    assert planner.draft_cap(0.05) >= 1 << 20  # off
+
+
+def test_min_draft_p_caps_the_drafts_weighed_even_where_tokens_are_free():
+    """On a machine where draft tokens cost nothing (the GPU curve) the
+    planner drafts the whole lookup; with the floor it weighs no draft
+    longer than the floor allows (here 3 tokens at p 0.5), and none at all
+    where the first token is below it."""
+    acc = acceptance(p_unchecked=0.5, tree_by_g=[0.0] * 8, window_extra=0.0)
+    planner = Planner(model(gpu))
+    v = view(acc, unchecked=8, room=8, trees=False)
+    free = planner.plan([v])
+    assert free[0].kind == "draft" and free[0].draft == 8
+    planner.min_draft_p = 0.1
+    p = v.draft_p()
+    capped = planner.plan([v])
+    assert capped[0].kind == "draft" and capped[0].draft == planner.draft_cap(p) == 3
+    assert all(s.draft <= 3 for s in planner.shapes(v, 1))
+    low = view(acceptance(p_unchecked=0.05, tree_by_g=[0.0] * 8, window_extra=0.0),
+               unchecked=8, room=8, trees=False)
+    assert [s.kind for s in planner.shapes(low, 1)] == ["off"]

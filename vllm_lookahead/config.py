@@ -142,6 +142,13 @@ class LookaheadConfig:
             on MT-Bench; there at n = 4 ``True`` read -4.9 and -3.9%
             (0.974x vanilla on MT-Bench), at n = 8 ``"auto"`` +0.3 and
             +1.4% over ``False`` (README).
+        min_draft_p: an unchecked draft runs no further than the token
+            at which its expected acceptance of every token so far
+            (``p^k``, p its kind's measured per-token rate) falls below
+            this, whatever the planner's prices say (suffix decoding's
+            ``min_token_prob`` rule, on lookahead's own estimates): a
+            bound on the draft tokens a wrong cost curve can buy. 0: off.
+            Range 0..1.
 
     The defaults (N, W, G) = (4, 3, 3) are the fastest measured on a 2-core
     CPU (bfloat16, SmolLM2-135M, HumanEval and MT-Bench): there every query
@@ -164,6 +171,7 @@ class LookaheadConfig:
     parent_latency: bool = True
     batch_end: bool = False
     learn_step_cost: bool | str = "auto"
+    min_draft_p: float = 0.1
 
     _RANGES = {
         "ngram_size": (2, 16),
@@ -201,6 +209,14 @@ class LookaheadConfig:
                     raise LookaheadConfigError(
                         f"speculative_config['learn_step_cost'] must be a boolean "
                         f"(true/false) or \"auto\", got {value!r}"
+                    )
+                continue
+            if f.name == "min_draft_p":
+                if (isinstance(value, bool) or not isinstance(value, (int, float))
+                        or not 0.0 <= value <= 1.0):
+                    raise LookaheadConfigError(
+                        f"speculative_config['min_draft_p'] must be a number in [0, 1], "
+                        f"got {value!r}"
                     )
                 continue
             if f.type in ("bool", bool):

@@ -451,6 +451,20 @@ class Planner:
         #: were taken at
         self._costs: dict = {}
         self._costs_gen = None
+        #: ``LookaheadConfig.min_draft_p`` (:meth:`draft_cap`)
+        self.min_draft_p = 0.0
+
+    def draft_cap(self, p: float) -> int:
+        """The longest unchecked draft :meth:`shapes` weighs for a
+        per-token acceptance ``p``: the largest k with ``p^k >=
+        min_draft_p`` (0: none; no cap where ``min_draft_p`` is 0 or
+        ``p`` is 1)."""
+        floor = getattr(self, "min_draft_p", 0.0)  # a planner pickled before it
+        if floor <= 0.0 or p >= 1.0:
+            return 1 << 30
+        if p < floor:
+            return 0
+        return int(math.log(floor) / math.log(p) + 1e-9)
 
     # -- the shapes of one request ------------------------------------------------
     def shapes(self, v: RequestView, batch: int, trees: bool | None = None) -> list[Shape]:
@@ -472,7 +486,7 @@ class Planner:
                              extra_s=v.verify_s(k, v.draft_p())))
         elif v.unchecked > 0:
             p = v.draft_p()
-            for k in draft_lengths(min(v.unchecked, v.room)):
+            for k in draft_lengths(min(v.unchecked, v.room, self.draft_cap(p))):
                 out.append(Shape("draft", draft=k,
                                  tokens=1 + acc.unchecked_gain(k, v.lookup_kind),
                                  extra_s=v.verify_s(k, p)))

@@ -142,6 +142,7 @@ class LookaheadProposer:
             cost = build_cost_model(setting, runner, self.worker, self._agree)
             self.step.planner = Planner(cost, fused=self.fused)
             cost.learn_plain = self.cfg.learn_step_cost
+            self.step.planner.min_draft_p = self.cfg.min_draft_p
             from vllm_lookahead import cpu_sampling
 
             self.step.planner.lazy_verify = cpu_sampling.LAZY_VERIFY
