@@ -1618,3 +1618,14 @@ def test_min_draft_p_caps_the_drafts_weighed_even_where_tokens_are_free():
     low = view(acceptance(p_unchecked=0.05, tree_by_g=[0.0] * 8, window_extra=0.0),
                unchecked=8, room=8, trees=False)
     assert [s.kind for s in planner.shapes(low, 1)] == ["off"]
+
+
+def test_min_draft_p_caps_a_seeded_requests_draft_too():
+    """A seeded request's draft (priced from the start-up curve alone) is
+    held to the same floor, from its own acceptance: the same on every run."""
+    acc = acceptance(p_unchecked=0.5, tree_by_g=[0.0] * 8, window_extra=0.0)
+    planner = Planner(model(gpu))
+    assert planner.steady_draft(acc, "suffix4", 8) == 2
+    planner.min_draft_p = 0.3  # 0.5^2 = 0.25 below it
+    assert planner.draft_cap(0.5) == 1
+    assert planner.steady_draft(acc, "suffix4", 8) == 1

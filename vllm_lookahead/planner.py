@@ -541,9 +541,9 @@ class Planner:
         correction from the steps seen: :meth:`CostModel.plain`) plus what
         vLLM's verifier adds, as measured with the curve (a sampled
         request's, :meth:`CostModel.verify` at batch 1; without it
-        :attr:`SEEDED_FIRST`, :attr:`SEEDED_NEXT`). A batch shares a step's
-        fixed cost, so a draft that pays alone pays in a batch too. 0: no
-        draft."""
+        :attr:`SEEDED_FIRST`, :attr:`SEEDED_NEXT`), no longer than
+        :meth:`draft_cap` allows. A batch shares a step's fixed cost, so a
+        draft that pays alone pays in a batch too. 0: no draft."""
         plain = getattr(self.cost, "plain", None)
         if plain is None:  # a bare cost curve (tests)
             def plain(batch, tokens):
@@ -555,7 +555,7 @@ class Planner:
             first, nxt = step * self.SEEDED_FIRST, step * self.SEEDED_NEXT
         best, best_rate = 0, 1.0 / step
         p = draft_p(acc, kind)
-        for k in range(1, k_max + 1):
+        for k in range(1, min(k_max, self.draft_cap(p)) + 1):
             verify = verify_seconds((first, nxt), k,
                                     verified_rows(k, p) if self.lazy_verify else None)
             rate = (1.0 + acc.unchecked_gain(k, kind)) / max(plain(1, 1 + k) + verify, 1e-12)
