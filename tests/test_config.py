@@ -459,7 +459,7 @@ def test_request_window_zero_needs_prompt_pool():
 
 
 def test_min_draft_p_is_a_share():
-    assert LookaheadConfig().min_draft_p == 0.1  # suffix decoding's min_token_prob
+    assert LookaheadConfig().min_draft_p == 0.0  # off; 0.1 is suffix decoding's min_token_prob
     assert LookaheadConfig(min_draft_p=0).min_draft_p == 0
     assert LookaheadConfig(min_draft_p=1).min_draft_p == 1
     for bad in (-0.1, 1.5, "0.1", True, None):
