@@ -451,15 +451,18 @@ class Planner:
         #: were taken at
         self._costs: dict = {}
         self._costs_gen = None
-        #: ``LookaheadConfig.min_draft_p`` (:meth:`draft_cap`)
-        self.min_draft_p = 0.0
+
+    #: ``LookaheadConfig.min_draft_p`` (:meth:`draft_cap`; the proposer
+    #: sets it per planner; a class default, so a planner pickled before
+    #: it was added reads 0)
+    min_draft_p = 0.0
 
     def draft_cap(self, p: float) -> int:
         """The longest unchecked draft :meth:`shapes` weighs for a
         per-token acceptance ``p``: the largest k with ``p^k >=
         min_draft_p`` (0: none; no cap where ``min_draft_p`` is 0 or
         ``p`` is 1)."""
-        floor = getattr(self, "min_draft_p", 0.0)  # a planner pickled before it
+        floor = self.min_draft_p
         if floor <= 0.0 or p >= 1.0:
             return 1 << 30
         if p < floor:
