@@ -21,7 +21,8 @@ Steps are grouped by batch size and by requests with a draft (0, 1, 2,
 3+), a ``t`` marking lookahead steps with trees in their forward; the table
 shows each group's medians. A fit of the step over the
 most common batch size, ``step = a + r * drafting requests + t * draft
-tokens``, says what a draft adds. The methods run one after the other
+tokens`` (stalls left out), says what a draft adds, to the step and part by
+part (the forward, vLLM's sampler, the rest). The methods run one after the other
 (``--rounds`` alternates their order), so the machine's drift is not
 cancelled as in ``bench.py``: compare groups within a method, and methods
 only where their plain steps agree.
@@ -98,14 +99,28 @@ def group_of(step: dict) -> tuple[int, str]:
     return step["batch"], (str(d) if d < 3 else "3+") + ("t" if step.get("tree_tokens") else "")
 
 
+#: Parts fitted apart (``fit["parts_ms"]``): where a draft's cost lands.
+FIT_PARTS = ("forward", "sampler", "other", "step")
+#: A step more than this many times its batch size's median step is a stall
+#: (the first step of a ``generate`` call, a pause of the process), left out
+#: of the fit: a group of stalls alone (a method that drafts at every step
+#: leaves its no-draft group to the first steps) set the fit's height and
+#: slopes to nonsense (stop 55: 160 ms + -12 ms per drafting request).
+STALL_FACTOR = 3.0
+
+
 def summarize(steps: list[dict]) -> dict:
     """Per group (``"batch/drafting"``): steps, mean draft tokens, and the
     median milliseconds of each part; ``fit``: at the most common batch
     size, ``[a, r, t]`` ms of ``step = a + r * drafting requests + t *
     draft tokens``, least squares over the median step of each (drafting
     requests, draft tokens) seen among the steps without trees, weighted by
-    its steps (a few stalled steps do not move it; None with under 8 steps
-    or no draft)."""
+    its steps (a few stalled steps do not move it, and steps over
+    :data:`STALL_FACTOR` times the batch's median step are left out; None
+    with under 8 steps or no draft), and ``parts_ms``: the same fit of each
+    of :data:`FIT_PARTS` (``other``: the step less the timed parts), so
+    that what a draft adds to the forward and what it saves of vLLM's
+    sampler (a rejected draft's bonus row, patch 15) read apart."""
     import numpy as np
 
     groups: dict[tuple, list[dict]] = {}
@@ -122,17 +137,25 @@ def summarize(steps: list[dict]) -> dict:
     if steps:
         sizes = [s["batch"] for s in steps]
         top = max(set(sizes), key=sizes.count)
-        at = [s for s in steps if s["batch"] == top and not s.get("tree_tokens")]
-        cells: dict[tuple, list[float]] = {}
+        at = [dict(s, other=s["step"] - sum(s[p] for p in PARTS[:4]))
+              for s in steps if s["batch"] == top and not s.get("tree_tokens")]
+        if at:
+            limit = STALL_FACTOR * float(np.median([s["step"] for s in at]))
+            at = [s for s in at if s["step"] <= limit]
+        cells: dict[tuple, list[dict]] = {}
         for s in at:
-            cells.setdefault((s["drafting"], s["draft_tokens"]), []).append(s["step"])
+            cells.setdefault((s["drafting"], s["draft_tokens"]), []).append(s)
         if len(at) >= 8 and any(d for d, _ in cells):
             keys = sorted(cells)
             w = np.sqrt([len(cells[k]) for k in keys])
             x = np.array([[1.0, d, t] for d, t in keys]) * w[:, None]
-            y = np.array([np.median(cells[k]) for k in keys]) * w
-            coef = np.linalg.lstsq(x, y, rcond=None)[0]
-            fit = dict(batch=top, steps=len(at), ms=[float(1e3 * c) for c in coef])
+
+            def coef(part: str) -> list[float]:
+                y = np.array([np.median([s[part] for s in cells[k]]) for k in keys]) * w
+                return [float(1e3 * c) for c in np.linalg.lstsq(x, y, rcond=None)[0]]
+
+            fit = dict(batch=top, steps=len(at), ms=coef("step"),
+                       parts_ms={p: coef(p) for p in FIT_PARTS})
     return dict(groups=out, fit=fit)
 
 
@@ -222,6 +245,10 @@ def _table(results: dict) -> str:
             a, r, t = fit["ms"]
             lines.append(f"{'':12s} fit at batch {fit['batch']}: step {a:.2f} ms + {r:.2f} ms "
                          f"per drafting request + {t:.2f} ms per draft token ({fit['steps']} steps)")
+            parts = fit.get("parts_ms") or {}
+            lines.append(f"{'':12s}   of which (per drafting request, per draft token): "
+                         + ", ".join(f"{p} {parts[p][1]:+.2f} {parts[p][2]:+.2f}"
+                                     for p in FIT_PARTS if p != "step" and p in parts))
     return "\n".join(lines)
 
 

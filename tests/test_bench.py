@@ -1036,6 +1036,18 @@ def test_step_breakdown_groups_and_fits_what_a_draft_adds():
     got = sb.summarize(steps + trees)
     assert got["groups"]["4/1t"]["steps"] == 5 and got["groups"]["4/1"]["steps"] == 12
     assert got["fit"]["steps"] == 38 and got["fit"]["ms"] == pytest.approx([30.0, 5.0, 1.0], abs=1e-6)
+    # each part fitted apart: where a draft's cost lands
+    parts = sb.summarize(steps)["fit"]["parts_ms"]
+    assert parts["forward"] == pytest.approx([18.0, 3.0, 0.6], abs=1e-6)
+    assert parts["sampler"] == pytest.approx([9.0, 1.5, 0.3], abs=1e-6)
+    assert parts["other"] == pytest.approx([-0.5, 0.0, 0.0], abs=1e-6)
+    # a method that drafts at every step leaves its no-draft steps to the
+    # stalls (the first step of each generate call): left out, not fitted
+    drafting = [s for s in steps if s["batch"] == 4 and s["drafting"]]
+    got = sb.summarize(drafting + _steps(4, 0, 0, 380.0, 3))
+    assert got["groups"]["4/0"]["steps"] == 3
+    assert got["fit"]["steps"] == len(drafting)
+    assert got["fit"]["ms"] == pytest.approx([30.0, 5.0, 1.0], abs=1e-6)
 
 
 def test_step_breakdown_methods():
