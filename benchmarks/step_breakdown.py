@@ -123,9 +123,10 @@ def summarize(steps: list[dict]) -> dict:
     sampler (a rejected draft's bonus row, patch 15) read apart."""
     import numpy as np
 
+    # the step less its timed parts, once for the groups and the fit
+    steps = [dict(s, other=s["step"] - sum(s[p] for p in PARTS[:4])) for s in steps]
     groups: dict[tuple, list[dict]] = {}
     for s in steps:
-        s = dict(s, other=s["step"] - sum(s[p] for p in PARTS[:4]))
         groups.setdefault(group_of(s), []).append(s)
     out = {}
     for (b, d), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
@@ -137,8 +138,7 @@ def summarize(steps: list[dict]) -> dict:
     if steps:
         sizes = [s["batch"] for s in steps]
         top = max(set(sizes), key=sizes.count)
-        at = [dict(s, other=s["step"] - sum(s[p] for p in PARTS[:4]))
-              for s in steps if s["batch"] == top and not s.get("tree_tokens")]
+        at = [s for s in steps if s["batch"] == top and not s.get("tree_tokens")]
         if at:
             limit = STALL_FACTOR * float(np.median([s["step"] for s in at]))
             at = [s for s in at if s["step"] <= limit]
@@ -154,8 +154,8 @@ def summarize(steps: list[dict]) -> dict:
                 y = np.array([np.median([s[part] for s in cells[k]]) for k in keys]) * w
                 return [float(1e3 * c) for c in np.linalg.lstsq(x, y, rcond=None)[0]]
 
-            fit = dict(batch=top, steps=len(at), ms=coef("step"),
-                       parts_ms={p: coef(p) for p in FIT_PARTS})
+            parts = {p: coef(p) for p in FIT_PARTS}
+            fit = dict(batch=top, steps=len(at), ms=parts["step"], parts_ms=parts)
     return dict(groups=out, fit=fit)
 
 
@@ -245,10 +245,10 @@ def _table(results: dict) -> str:
             a, r, t = fit["ms"]
             lines.append(f"{'':12s} fit at batch {fit['batch']}: step {a:.2f} ms + {r:.2f} ms "
                          f"per drafting request + {t:.2f} ms per draft token ({fit['steps']} steps)")
-            parts = fit.get("parts_ms") or {}
+            parts = fit["parts_ms"]
             lines.append(f"{'':12s}   of which (per drafting request, per draft token): "
                          + ", ".join(f"{p} {parts[p][1]:+.2f} {parts[p][2]:+.2f}"
-                                     for p in FIT_PARTS if p != "step" and p in parts))
+                                     for p in FIT_PARTS if p != "step"))
     return "\n".join(lines)
 
 
