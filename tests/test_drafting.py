@@ -880,6 +880,7 @@ def test_match_kind_buckets_long_own_matches():
     assert got == {2: "suffix2", 3: "suffix3", 4: "suffix4", 5: "suffix8", 8: "suffix8",
                    9: "suffix16", 16: "suffix16", 17: "suffix24", 24: "suffix24",
                    30: "suffix24"}
-    assert [match_kind("memory", m) for m in (3, 6, 12)] == ["memory3", "memory6", "memory12"]
+    assert [match_kind("memory", m) for m in (2, 3, 6, 12)] == ["memory2", "memory3", "memory6",
+                                                                "memory12"]
     prior = AcceptancePrior(max_cands=3)
     assert set(got.values()) <= set(LOOKUP_KINDS) == set(prior.p_unchecked)

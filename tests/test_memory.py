@@ -100,7 +100,9 @@ def test_default_capacity_is_a_few_megabytes():
     while mem.tokens < mem.capacity - 2000:
         doc = mem.open(0, _text(rng, 100))
         mem.extend(doc, _text(rng, 900))
-    assert mem.nbytes() < 8 * 2**20
+    # 4 key tables of 2^17 slots (8 bytes each) and 4 chains of 8 bytes a
+    # held token: 8 MiB, plus the documents and the n-gram tables
+    assert mem.nbytes() < 10 * 2**20
 
 
 def test_clear_forgets_everything():
@@ -163,6 +165,32 @@ def test_lookup_prefers_own_text_on_ties_and_memory_when_longer():
     assert state2.lookup_kind == "suffix4"
     assert "memory12" in LOOKUP_KINDS and "memory3" in prior.p_unchecked
 
+
+
+def test_two_token_key_answers_where_own_text_has_no_match():
+    """The memory's shortest key (2 tokens) drafts where the request's own
+    text has no earlier match (kind ``memory2``) and the pool has nothing,
+    before ``memory1``'s single-token guess; a 2-token match in the
+    request's own text wins the tie."""
+    assert KEY_LENS[-1] == 2
+    rng = np.random.default_rng(11)
+    mem = SharedMemory(4096, delay=4)
+    other = mem.open(0, _toks(500, 501, 77, 78, 600, 601, 602, 603, 604))
+    mem.close(other)
+    prior = AcceptancePrior(max_cands=3)
+    # own text ends in (77, 78), never seen before in it; the other
+    # request's text has (77, 78) followed by 600..603
+    text = np.concatenate([_text(rng, 12, vocab=400), _toks(77, 78)])
+    state = _state(prior)
+    assert lookup(state, text, len(text), 4, True, mem) == [600, 601, 602, 603]
+    assert state.lookup_kind == "memory2"
+    assert "memory2" in prior.p_unchecked
+    # the same 2 tokens earlier in its own text: the own match wins the tie
+    own = np.concatenate([_toks(77, 78, 900, 901, 902, 903), _text(rng, 6, vocab=400),
+                          _toks(77, 78)])
+    state2 = _state(prior)
+    assert lookup(state2, own, len(own), 4, True, mem)[:2] == [900, 901]
+    assert state2.lookup_kind.startswith("suffix2")
 
 def test_memory_candidate_leads_a_tree():
     _, mem, prompt, answer = _answered(8)

@@ -44,15 +44,15 @@ from dataclasses import dataclass, field
 #: Upper ends of the long own-text match kinds (``suffix8``: 5-8 tokens).
 LONG_SUFFIX_KINDS = (8, 16, 24)
 #: Kinds of unchecked lookup, learnt apart per request: the continuation
-#: of a 4-, 3- or 2-token suffix seen earlier in the text, of a 12-, 6- or
-#: 3-token suffix in the engine's shared memory (other requests' text,
+#: of a 4-, 3- or 2-token suffix seen earlier in the text, of a 12-, 6-, 3-
+#: or 2-token suffix in the engine's shared memory (other requests' text,
 #: :mod:`.memory`), what followed the newest token alone in the memory's
 #: text (``memory1``: where the request's own pool has nothing for it), or
 #: the pool's guess for the newest token alone; where lookups run past N
 #: (``lookup_len``), also of a suffix of 17-24, 9-16 or 5-8 tokens seen
 #: earlier in the text (:func:`match_kind`).
 LOOKUP_KINDS = (*(f"suffix{b}" for b in reversed(LONG_SUFFIX_KINDS)), "suffix4", "suffix3",
-                "suffix2", "memory12", "memory6", "memory3", "memory1", "pool")
+                "suffix2", "memory12", "memory6", "memory3", "memory2", "memory1", "pool")
 #: The guesses for the newest token alone (no key's places voted on them,
 #: so no agreement class).
 GUESS_KINDS = ("memory1", "pool")
@@ -84,7 +84,7 @@ def possible_kinds(prompt: bool, long: bool, memory: bool) -> tuple[str, ...]:
         kinds += [f"suffix{b}" for b in reversed(LONG_SUFFIX_KINDS)] if long else []
         kinds += ["suffix4", "suffix3", "suffix2"]
     if memory:
-        kinds += ["memory12", "memory6", "memory3", "memory1"]
+        kinds += ["memory12", "memory6", "memory3", "memory2", "memory1"]
     return (*kinds, "pool")
 
 
@@ -185,7 +185,7 @@ class AcceptancePrior:
                                 "suffix8": min(p * 1.5, P_MAX),
                                 "suffix4": p, "suffix3": p * 0.9, "suffix2": p * 0.8,
                                 "memory12": p, "memory6": p * 0.9, "memory3": p * 0.7,
-                                "memory1": p * 0.6, "pool": p * 0.6}
+                                "memory2": p * 0.65, "memory1": p * 0.6, "pool": p * 0.6}
         # per agreement class, its matches' first tokens accepted and not
         # (forgetting slowly), from pseudo-counts at the assumed factors
         # of 0.5, in the assumed mix

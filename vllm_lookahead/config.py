@@ -83,7 +83,7 @@ class LookaheadConfig:
             before them). A request can opt out (``extra_args``).
         memory_tokens: the memory's capacity in tokens (all requests'
             text; the oldest request's text is evicted first). The default,
-            131072, holds a 128k-token mix in about 7 MB. Range 256..2^26.
+            131072, holds a 128k-token mix in about 9 MB. Range 256..2^26.
         lookup_len: the longest unchecked draft: the continuation of a
             match in the request's own text or in the shared memory (a
             repeated answer, a template's fixed fields run on for many

@@ -131,7 +131,7 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
     ``prompt_pool`` on; its newest 16 places vote, :func:`~vllm_lookahead.
     state.vote_draft`), unless the engine's shared ``memory``
     (:class:`~vllm_lookahead.memory.SharedMemory`) matches a longer one in
-    other requests' text (12, 6 or 3 tokens: its own text wins ties). Where
+    other requests' text (12, 6, 3 or 2 tokens: its own text wins ties). Where
     lookups run past N (``lookup_len`` and ``room`` above N) the text's
     suffix may be up to :data:`LONG_MATCH` tokens long, and a match's
     continuation is cut to ``max(N, the match's length)``; else
