@@ -24,8 +24,8 @@ Methods:
 
 * ``lookahead``: :func:`vllm_lookahead.drafting.lookup`, the unchecked
   lookup the planner drafts from (the request's own text: prompt lookup of
-  2-4 tokens and the n-gram pool; the engine's shared memory: keys of 12, 6
-  and 3 tokens in other requests' text, newest place first), its own
+  2-4 tokens and the n-gram pool; the engine's shared memory: keys of 12, 6,
+  3 and 2 tokens in other requests' text, newest place first), its own
   n-grams added as ``StepDrafter`` adds them; ``K`` = N = 4;
 * ``lookahead-own``: the same without the shared memory;
 * ``lookahead:16``, ``lookahead:24``: with ``lookup_len`` 16 or 24
