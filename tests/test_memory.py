@@ -166,7 +166,6 @@ def test_lookup_prefers_own_text_on_ties_and_memory_when_longer():
     assert "memory12" in LOOKUP_KINDS and "memory3" in prior.p_unchecked
 
 
-
 def test_two_token_key_answers_where_own_text_has_no_match():
     """The memory's shortest key (2 tokens) drafts where the request's own
     text has no earlier match (kind ``memory2``) and the pool has nothing,
@@ -191,6 +190,7 @@ def test_two_token_key_answers_where_own_text_has_no_match():
     state2 = _state(prior)
     assert lookup(state2, own, len(own), 4, True, mem)[:2] == [900, 901]
     assert state2.lookup_kind.startswith("suffix2")
+
 
 def test_memory_candidate_leads_a_tree():
     _, mem, prompt, answer = _answered(8)

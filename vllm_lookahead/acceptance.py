@@ -84,7 +84,7 @@ def possible_kinds(prompt: bool, long: bool, memory: bool) -> tuple[str, ...]:
         kinds += [f"suffix{b}" for b in reversed(LONG_SUFFIX_KINDS)] if long else []
         kinds += ["suffix4", "suffix3", "suffix2"]
     if memory:
-        kinds += ["memory12", "memory6", "memory3", "memory2", "memory1"]
+        kinds += [k for k in LOOKUP_KINDS if k.startswith("memory")]
     return (*kinds, "pool")
 
 

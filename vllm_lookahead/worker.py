@@ -166,7 +166,7 @@ class TreeAttentionImpl:
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         # In a fused step key/value also hold the tree rows: cache only
         # vLLM's own tokens (the first len(slot_mapping) rows).
-        # (sliced only then: two tensor views a layer cost a step ~0.1 ms)
+        # Sliced only then (two tensor views a layer less in other steps).
         n = slot_mapping.shape[0]
         if key.shape[0] != n:
             key, value = key[:n], value[:n]
