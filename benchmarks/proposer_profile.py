@@ -55,6 +55,10 @@ def _parse(argv):
                         "arguments before, its shapes and the planner's counters after) "
                         "to PATH, for benchmarks/planner_replay.py (the table's times "
                         "then include the recording)")
+    p.add_argument("--steps", default=None, metavar="PATH",
+                   help="also write every step the cost model books (CostModel.observe's "
+                        "arguments, with the prompt it belongs to and its step in that "
+                        "prompt) to PATH as JSON, for benchmarks/step_fit.py")
     return p.parse_args(argv)
 
 
@@ -171,6 +175,42 @@ class Recorder:
                                              "calls": self.calls}))
 
 
+class StepLog:
+    """Every step the cost model books (:meth:`CostModel.observe`'s
+    arguments), tagged with the prompt being generated (:attr:`prompt`, set
+    by the caller) and the step's index within it: what
+    ``benchmarks/step_fit.py`` refits offline."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.prompt = -1
+        self._since = 0
+
+    def next_prompt(self) -> None:
+        self.prompt += 1
+        self._since = 0
+
+    def install(self) -> None:
+        from vllm_lookahead import cost_model
+        observe, rows, log = cost_model.CostModel.observe, self.rows, self
+
+        @functools.wraps(observe)
+        def logged(model, batch, tokens, seconds, tree=True, drafting=None,
+                   verify_least=None):
+            rows.append({"prompt": log.prompt, "step": log._since, "batch": int(batch),
+                         "tokens": float(tokens), "seconds": float(seconds),
+                         "tree": bool(tree), "drafting": drafting,
+                         "verify_least": list(verify_least) if verify_least else None})
+            log._since += 1
+            return observe(model, batch, tokens, seconds, tree=tree, drafting=drafting,
+                           verify_least=verify_least)
+
+        cost_model.CostModel.observe = logged
+
+    def save(self, path: str, meta: dict) -> None:
+        Path(path).write_text(json.dumps({"machine": meta, "steps": self.rows}))
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     from transformers import AutoTokenizer
@@ -186,6 +226,10 @@ def main(argv=None) -> int:
     if args.record:
         recorder = Recorder()
         recorder.install()
+    steplog = None
+    if args.steps:
+        steplog = StepLog()
+        steplog.install()
     path = _prepare_model("smollm2")
     tok = AutoTokenizer.from_pretrained(path)
     prompts = _load_prompts(args.dataset, args.prompts, tok)
@@ -202,6 +246,8 @@ def main(argv=None) -> int:
                         max_tokens=args.max_tokens, n=args.n)
     start, tokens = time.perf_counter(), 0
     for p in prompts:
+        if steplog is not None:
+            steplog.next_prompt()
         out = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
         tokens += sum(len(o.token_ids) for o in out[0].outputs)
     wall = time.perf_counter() - start
@@ -214,6 +260,11 @@ def main(argv=None) -> int:
             for k, v in sorted(timers.seconds.items(), key=lambda kv: -kv[1])]
     meta = machine_info(sys.argv)
     cpu = meta.get("cpu")
+    if steplog is not None:
+        from vllm_lookahead import get_lookahead_stats
+        meta = dict(meta, cost_model=get_lookahead_stats(llm).get("cost_model"))
+        steplog.save(args.steps, meta)
+        print(f"{len(steplog.rows)} booked steps: {args.steps}")
     print(f"{cpu}; {args.dataset}, n={args.n}, {args.prompts} prompts: {tokens} tokens in "
           f"{wall:.1f} s, {steps} proposer calls ({1e3 * wall / steps:.1f} ms a call apart)")
     print(f"{'part':34s} {'ms/step':>8s} {'calls':>7s} {'us/call':>9s}")
