@@ -1271,3 +1271,31 @@ def test_planner_replay_finds_a_changed_plan(tmp_path, monkeypatch, capsys):
     assert out["mismatches"]
     assert planner_replay.main([str(path), "--repeat", "1"]) == 1
     assert "different (first: call" in capsys.readouterr().out
+
+
+def test_step_fit_recovers_a_draft_price_and_differencing_drops_a_drift():
+    """step_fit.py on synthetic booked steps: q and r as set, with a step
+    cost that grows within each prompt (the context) and a draft count
+    that grows with it, which the plain fit takes for the drafts' price
+    and the differenced and per-prompt fits do not."""
+    import random
+
+    import step_fit
+
+    rng = random.Random(5)
+    rows = []
+    for p in range(8):
+        for s in range(60):
+            m = min(16, rng.randint(0, 4) + s // 10)  # drafts more as the prompt goes on
+            v = m + rng.randint(0, m)
+            ms = 60 + 0.5 * s + 0.5 * v + 1.0 * m + rng.gauss(0, 1.0)
+            rows.append({"prompt": p, "step": s, "batch": 16, "tokens": 1 + v / 16,
+                         "seconds": ms / 1e3, "tree": False, "drafting": m,
+                         "verify_least": None})
+    got = step_fit.fits(rows, 16)
+    for name in ("+step", "+prompt", "diff"):
+        assert got[name]["q"] == pytest.approx(0.5, abs=0.15), name
+        assert got[name]["r"] == pytest.approx(1.0, abs=0.25), name
+        assert got[name]["se_q+r"] < 0.2
+    assert got["plain"]["q+r"] > 1.5 + 0.3  # the drift read as a draft's price
+    assert step_fit.fits(rows, 8) == {}  # no step of that bucket
