@@ -32,19 +32,13 @@ from pathlib import Path
 
 import numpy as np
 
-
-def bucket_of(n: int) -> int:
-    return 1 << (max(int(n), 1).bit_length() - 1)
+from vllm_lookahead.cost_model import bucket_of
+from vllm_lookahead.fit import plane_features
 
 
 def features(row: dict, bucket: int) -> tuple[float, float, float]:
-    """``(u, v, m)`` of a booked step (as ``vllm_lookahead.fit.plane_features``)."""
-    b = max(row["batch"], 1)
-    v = b * (max(row["tokens"], 1.0) - 1)
-    m = row["drafting"]
-    if m is None:
-        m = b if v > 0 else 0
-    return (b - bucket, v, min(m, b))
+    """``(u, v, m)`` of a booked step, as the engine's plane takes them."""
+    return plane_features(row["batch"], bucket, row["tokens"], row["drafting"])
 
 
 def ols(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
