@@ -989,6 +989,36 @@ def test_exploration_is_bounded_priced_and_stops_once_learnt():
     assert planner.explored == before
 
 
+def test_a_new_request_is_not_explored_once_the_engine_knows_trees():
+    """Once the engine's prior has learnt from ``EXPLORE_KNOWN`` trees, a
+    request that has run none starts from it: no exploration tree until
+    ``EXPLORE_AFTER`` steps into its life; before that, a new request is
+    explored at once (as is one of a prior that knows fewer trees)."""
+    def fresh(trees_seen):
+        acc = acceptance(**ZERO)
+        acc.prior.trees_seen = trees_seen
+        return acc
+
+    def first_tree(acc):
+        planner = Planner(model(amx))
+        v = view(acc, chain=0, unchecked=0)
+        for step in range(400):
+            if planner.plan([v], explore=True)[0].kind == "tree":
+                return step
+            acc.relax()  # a step without a tree, as StepDrafter books it
+        return None
+
+    early = first_tree(fresh(Planner.EXPLORE_KNOWN - 1))
+    assert early is not None and early < Planner.EXPLORE_AFTER
+    known = fresh(Planner.EXPLORE_KNOWN)
+    assert not Planner(model(amx)).explore_due(known)
+    late = first_tree(known)
+    assert late is not None and late >= Planner.EXPLORE_AFTER
+    # the same rule tells the quiet batches (step._cannot_pay) an exploration is due
+    known.since_tree = Planner.EXPLORE_AFTER
+    assert Planner(model(amx)).explore_due(known)
+
+
 def test_trees_left_out_of_the_search_are_still_explored():
     """``RequestView.search_trees`` False (its bound says no tree of it
     pays, ``step._trees_pay``): the search weighs its drafts only, even

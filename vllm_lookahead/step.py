@@ -623,7 +623,7 @@ def _cannot_pay(planner, r: Live, view: RequestView, batch: int, alone: bool = F
         if st.quiet_best is None:
             return False
         trees = st.quiet_best.trees
-        if trees and not (acc.tree_runs and acc.since_tree < planner.EXPLORE_AFTER) \
+        if trees and planner.explore_due(acc) \
                 and planner.may_explore(batch, min(nodes for _, nodes in trees.values())):
             return False  # it may get an exploration tree
     k = min(view.unchecked, r.room)
