@@ -33,6 +33,7 @@ RANGES = {
     "disable_batch_size": (0, 1 << 20),
     "memory_tokens": (256, 1 << 26),
     "lookup_len": (0, 64),
+    "seeded_batch": (0, 1 << 20),
 }
 
 
@@ -56,6 +57,7 @@ def test_defaults_valid():
     assert cfg.shared_memory is True and cfg.memory_tokens == 131072
     assert cfg.parent_latency is True
     assert cfg.batch_end is False
+    assert cfg.seeded_batch == 0  # a seeded request's own n
     assert set(cfg.field_names()) == set(RANGES) | {"prompt_pool", "mode", "adaptive",
                                                     "cost_model", "shared_memory",
                                                     "parent_latency", "batch_end", "learn_step_cost",

@@ -286,12 +286,15 @@ def test_seeded_sampling_is_reproducible_under_the_planner(smollm2_path, prompts
     spec = {"method": "lookahead", "disable_batch_size": 0}
     seeded = [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=MAX_TOKENS)
               for i in range(3)]
-    params = seeded + [_params(), _params()]
-    batch = prompts[:3] + prompts[3:5]
+    # and the 2 samples of one seeded request (each priced in a step of 2)
+    pair = SamplingParams(n=2, temperature=0.8, top_p=0.95, seed=200, max_tokens=MAX_TOKENS)
+    params = seeded + [_params(), _params(), pair]
+    batch = prompts[:3] + prompts[3:5] + prompts[5:6]
 
     def run(llm):
         outs = llm.generate(batch, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs[:3]]
+        return ([list(o.outputs[0].token_ids) for o in outs[:3]]
+                + [list(c.token_ids) for c in outs[5].outputs])
 
     with engine(smollm2_path, spec, max_num_seqs=16) as llm:
         first, second = run(llm), run(llm)
@@ -300,8 +303,13 @@ def test_seeded_sampling_is_reproducible_under_the_planner(smollm2_path, prompts
     with engine(smollm2_path, spec, max_num_seqs=16) as llm:
         fresh = run(llm)
     assert first == second == fresh
-    assert all(len(o) > 8 for o in first)
+    assert len(first) == 5 and all(len(o) > 8 for o in first)
     assert st["drafts"] > 0  # the seeded and greedy requests did get drafts
+    # the samples of the n=2 request were priced in a step of 2 (their n
+    # reached the workers), the n=1 ones alone; counted per state built
+    # (again after a preemption)
+    assert set(st["seeded_by_batch"]) == {"1", "2"}, st["seeded_by_batch"]
+    assert st["seeded_by_batch"]["2"] >= 4 and st["seeded_by_batch"]["1"] >= 6
 
 
 @pytest.mark.parametrize(

@@ -1650,6 +1650,52 @@ def test_min_draft_p_caps_the_drafts_weighed_even_where_tokens_are_free():
     assert [s.kind for s in planner.shapes(low, 1)] == ["off"]
 
 
+def test_a_seeded_draft_is_priced_in_the_batch_fixed_at_its_start():
+    """In a b-request step a draft pays only where its gain beats b x its
+    seconds / the step's: a draft that pays alone (batch 1, the default,
+    as before) does not in a step of 4 whose time is 1.25x one request's
+    (the AVX2 EPYC's shape, stop 59), a surer one still does, and the
+    verification and switch measured at that batch are what it pays."""
+    pts = {1: [(1, 0.040), (2, 0.040), (4, 0.045), (16, 0.070)],
+           4: [(1, 0.050), (2, 0.056), (4, 0.070)]}
+    verify = {"sampled": {1: (0.0012, 0.0007, 0.0, 0.0), 4: (0.0003, 0.0007, 0.0, 0.0012)}}
+    planner = Planner(CostModel(CostCurve(pts, verify)))
+    weak = acceptance(p_unchecked=0.2, tree_by_g=[0.0] * 8, window_extra=0.0)
+    sure = acceptance(p_unchecked=0.7, tree_by_g=[0.0] * 8, window_extra=0.0)
+    assert planner.steady_draft(weak, "suffix4", 4) == planner.steady_draft(weak, "suffix4", 4, 1) > 0
+    assert planner.steady_draft(weak, "suffix4", 4, 4) == 0
+    assert planner.steady_draft(sure, "suffix4", 4, 4) > 0
+    # its draft at 4: the k with the best rate of the 4-request step, by hand
+    cm = planner.cost
+    first, nxt = cm.verify(4, True)
+    first += cm.switch(4, True)
+    rates = {0: 4 / cm.plain(4, 1)}
+    for k in range(1, 5):
+        rates[k] = (4 + sure.unchecked_gain(k, "suffix4")) / (
+            cm.plain(4, 1 + k / 4) + first + nxt * (k - 1))
+    assert planner.steady_draft(sure, "suffix4", 4, 4) == max(rates, key=rates.get)
+
+
+def test_a_seeded_requests_batch_is_its_parents_n_or_the_setting():
+    """``seeded_batch``: the parent's n the frontend wrote (patch 13), the
+    engine's ``seeded_batch`` where larger, at most ``max_num_seqs``; a
+    request without the key (an EngineCoreRequest made by hand) counts 1."""
+    from types import SimpleNamespace
+
+    from vllm_lookahead.proposer import seeded_batch
+    from vllm_lookahead.state import SAMPLES_KEY
+
+    def params(extra):
+        return SimpleNamespace(extra_args=extra)
+
+    assert seeded_batch(params({SAMPLES_KEY: 4}), 0, 256) == 4
+    assert seeded_batch(params({SAMPLES_KEY: 4}), 8, 256) == 8
+    assert seeded_batch(params({SAMPLES_KEY: 16}), 0, 8) == 8
+    assert seeded_batch(params(None), 0, 256) == 1
+    assert seeded_batch(params({SAMPLES_KEY: "x"}), 0, 256) == 1
+    assert seeded_batch(params({}), 2, 256) == 2
+
+
 def test_min_draft_p_caps_a_seeded_requests_draft_too():
     """A seeded request's draft (priced from the start-up curve alone) is
     held to the same floor, from its own acceptance: the same on every run."""

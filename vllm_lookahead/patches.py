@@ -88,7 +88,9 @@ every other method untouched:
     digest of its ``cache_salt``; 0 without one) into its own copy of the
     sampling parameters' ``extra_args`` (``memory.SCOPE_KEY``, overwriting
     whatever the caller sent there), the only way the salt reaches the
-    workers; ``EngineCore.reset_prefix_cache``, when vLLM's reset succeeds,
+    workers, and its n (``state.SAMPLES_KEY``: vLLM's n samples of a request
+    each get ``n = 1``; a seeded sample's draft is priced in a step of n,
+    ``Planner.steady_draft``); ``EngineCore.reset_prefix_cache``, when vLLM's reset succeeds,
     clears the memory on every worker through ``collective_rpc`` of
     ``WorkerBase.lookahead_clear_memory`` (a new method, as in 4).
 14. ``GPUModelRunner._sample`` (after 11): a step in which no request has a
@@ -371,6 +373,7 @@ def _patch_shared_memory() -> None:
 
     from vllm_lookahead.config import ADDITIONAL_CONFIG_KEY
     from vllm_lookahead.memory import SCOPE_KEY, scope_of
+    from vllm_lookahead.state import SAMPLES_KEY
 
     orig_process = InputProcessor.process_inputs
 
@@ -382,7 +385,8 @@ def _patch_shared_memory() -> None:
                 in (self.vllm_config.additional_config or {})):
             # The request's own copy (vLLM clones the caller's parameters).
             params.extra_args = {**(params.extra_args or {}),
-                                 SCOPE_KEY: scope_of(getattr(request, "cache_salt", None))}
+                                 SCOPE_KEY: scope_of(getattr(request, "cache_salt", None)),
+                                 SAMPLES_KEY: int(getattr(params, "n", 1) or 1)}
         return request
 
     InputProcessor.process_inputs = process_inputs

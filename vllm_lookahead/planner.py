@@ -542,37 +542,45 @@ class Planner:
     SEEDED_FIRST = 0.25
     SEEDED_NEXT = 0.15
 
-    def steady_draft(self, acc: RequestAcceptance, kind: str, k_max: int) -> int:
+    def steady_draft(self, acc: RequestAcceptance, kind: str, k_max: int,
+                     batch: int = 1) -> int:
         """A seeded request's draft length (its tokens must be the same on
         every run, so nothing timed while it runs may decide it): the k <=
-        ``k_max`` with the most expected tokens per second of a one-request
-        step, its acceptance ``acc`` learnt from its own text (``kind`` of
-        lookup), the seconds from the cost curve as the engine started (no
-        correction from the steps seen: :meth:`CostModel.plain`) plus what
-        vLLM's verifier adds, as measured with the curve (a sampled
-        request's, :meth:`CostModel.verify` at batch 1; without it
-        :attr:`SEEDED_FIRST`, :attr:`SEEDED_NEXT`), no longer than
-        :meth:`draft_cap` allows. 0: no draft. Priced alone, a draft may
-        not pay in a batch: in a b-request step it pays only where its gain
-        beats b x its seconds / the step's, and a batched step grows less
-        than b-fold (stop 59, 4 seeded samples batched on the AVX2 EPYC:
-        0.91x vanilla on MT-Bench; see the README). Open: the batch a
-        seeded request runs in is not fixed before it starts."""
+        ``k_max`` with the most expected tokens per second of a
+        ``batch``-request step where it alone drafts, its acceptance ``acc``
+        learnt from its own text (``kind`` of lookup), the seconds from the
+        cost curve as the engine started (no correction from the steps
+        seen: :meth:`CostModel.plain`) plus what vLLM's verifier adds, as
+        measured with the curve (a sampled request's, :meth:`CostModel.
+        verify` and :meth:`CostModel.switch` at that batch; without them
+        :attr:`SEEDED_FIRST`, :attr:`SEEDED_NEXT` of a one-request step), no
+        longer than :meth:`draft_cap` allows. 0: no draft.
+
+        ``batch`` must be fixed before the request starts (the proposer
+        gives its parent's n, vLLM running the n samples together, or
+        ``LookaheadConfig.seeded_batch`` where larger). In a b-request step
+        a draft pays only where its gain beats b x its seconds / the
+        step's, and a batched step grows less than b-fold: priced alone,
+        4 seeded samples batched read 0.91x vanilla on MT-Bench (stop 59,
+        AVX2 EPYC; README)."""
         plain = getattr(self.cost, "plain", None)
         if plain is None:  # a bare cost curve (tests)
             def plain(batch, tokens):
                 return self.cost.predict(batch, tokens, False)
-        step = max(plain(1, 1), 1e-12)
-        first, nxt = self.verify(1, True)
-        first += self.switch(1, True)  # alone in its step as priced
+        b = max(int(batch), 1)
+        step = max(plain(b, 1), 1e-12)
+        first, nxt = self.verify(b, True)
+        first += self.switch(b, True)  # the only request drafting, as priced
         if not (first or nxt):
-            first, nxt = step * self.SEEDED_FIRST, step * self.SEEDED_NEXT
-        best, best_rate = 0, 1.0 / step
+            one = max(plain(1, 1), 1e-12)
+            first, nxt = one * self.SEEDED_FIRST, one * self.SEEDED_NEXT
+        best, best_rate = 0, b / step
         p = draft_p(acc, kind)
         for k in range(1, min(k_max, self.draft_cap(p)) + 1):
             verify = verify_seconds((first, nxt), k,
                                     verified_rows(k, p) if self.lazy_verify else None)
-            rate = (1.0 + acc.unchecked_gain(k, kind)) / max(plain(1, 1 + k) + verify, 1e-12)
+            rate = ((b + acc.unchecked_gain(k, kind))
+                    / max(plain(b, 1 + k / b) + verify, 1e-12))
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

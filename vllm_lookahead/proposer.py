@@ -38,7 +38,7 @@ from vllm_lookahead.config import (
 from vllm_lookahead.drafting import Live, account, harvest, new_state
 from vllm_lookahead.memory import SCOPE_KEY, SharedMemory
 from vllm_lookahead.planner import Planner
-from vllm_lookahead.state import RequestState, sibling_group
+from vllm_lookahead.state import SAMPLES_KEY, RequestState, sibling_group
 from vllm_lookahead.stats import LookaheadStats
 from vllm_lookahead.step import StepDrafter
 from vllm_lookahead.trees import PlannedTree
@@ -323,6 +323,11 @@ class LookaheadProposer:
         state = new_state(settings, tokens, n_tok, n_prompt, getattr(params, "max_tokens", None),
                           seeded, self.cfg.seed, self.prior)
         state.group = sibling_group(req_id)
+        if seeded:
+            state.seeded_batch = seeded_batch(params, self.cfg.seeded_batch,
+                                              runner.vllm_config.scheduler_config.max_num_seqs)
+            self.stats.seeded_by_batch[str(state.seeded_batch)] = (
+                self.stats.seeded_by_batch.get(str(state.seeded_batch), 0) + 1)
         state.sampled = _sampling(params)
         state.lazy_bonus = lazy_bonus.request_applies(params)
         if self.memory is not None and settings.enabled and settings.shared_memory:
@@ -439,6 +444,20 @@ def _rank0_choice(obj):
 def _sampling(params) -> bool:
     """A sampled request (temperature > 0, as vLLM tells greedy apart)."""
     return params is not None and float(getattr(params, "temperature", 0.0) or 0.0) >= 1e-5
+
+
+def seeded_batch(params, least: int, max_num_seqs: int) -> int:
+    """The batch a seeded request's draft is priced in, fixed before it
+    starts: its parent's n (``state.SAMPLES_KEY``, written by the frontend:
+    vLLM runs the n samples together) or ``least``
+    (``LookaheadConfig.seeded_batch``), whichever is larger, at most the
+    engine's ``max_num_seqs``."""
+    extra = getattr(params, "extra_args", None) or {}
+    try:
+        n = int(extra.get(SAMPLES_KEY, 1) or 1)
+    except (TypeError, ValueError):
+        n = 1
+    return max(1, min(max(n, int(least or 0)), int(max_num_seqs or 1)))
 
 
 def _seeded_sampling(params) -> bool:

@@ -154,6 +154,12 @@ def sibling_group(req_id: str) -> str | None:
     return parent if sep and head.isdigit() and parent else None
 
 
+#: Key of a request's ``SamplingParams.extra_args`` under which the
+#: frontend writes its parent's n (``patches`` 13): vLLM gives each of the n
+#: samples ``n = 1``, and a seeded sample's draft is priced in a step of n.
+SAMPLES_KEY = "_lookahead_samples"
+
+
 def request_seed(base_seed: int, prompt_token_ids: np.ndarray) -> int:
     """Seed of a request's window: a function of the base seed and the prompt
     tokens only, so every tensor-parallel rank (and every rerun) agrees."""
@@ -206,6 +212,10 @@ class RequestState:
     acc: object = None
     #: A sampled request with a seed: planned from its text alone.
     seeded: bool = False
+    #: The batch a seeded request's draft is priced in
+    #: (``Planner.steady_draft``): fixed when it starts (its parent's n, or
+    #: ``LookaheadConfig.seeded_batch``), never the batch it meets.
+    seeded_batch: int = 1
     #: A sampled request (temperature > 0): its drafts cost vLLM's
     #: sampled verification (``CostModel.verify``).
     sampled: bool = False

@@ -85,6 +85,10 @@ class LookaheadStats:
             lookup``: ``"suffix4+"``, ``"memory6"``, ``"pool"``, ...; or
             ``"checked"``, a tree's chain), ``[drafts, draft tokens,
             accepted tokens]``.
+        seeded_by_batch: seeded sampled requests by the batch their drafts
+            are priced in (``RequestState.seeded_batch``: their parent's n
+            or ``seeded_batch``), counted when their state is built (again
+            after a preemption).
     """
 
     decode_steps: int = 0
@@ -118,6 +122,7 @@ class LookaheadStats:
     arm_steps: dict[str, int] = field(default_factory=lambda: {a: 0 for a in ARMS})
     shape_steps: dict[str, int] = field(default_factory=dict)
     drafts_by_kind: dict[str, list[int]] = field(default_factory=dict)
+    seeded_by_batch: dict[str, int] = field(default_factory=dict)
 
     @property
     def step_compression(self) -> float:

@@ -676,10 +676,11 @@ def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
         # Nothing that decides a seeded request's draft may depend on
         # timing: its own text (prompt lookup, never a tree or the shared
         # memory), the acceptance learnt from it, and the cost curve the
-        # engine had before it started.
+        # engine had before it started, in a step of the batch fixed when
+        # it started (``RequestState.seeded_batch``).
         k = min(len(state.lookup), r.room)
         if planner is not None and k > 0:
-            k = planner.steady_draft(state.acc, state.lookup_kind, k)
+            k = planner.steady_draft(state.acc, state.lookup_kind, k, state.seeded_batch)
         seeded_shape = Shape("draft", draft=k) if k > 0 else OFF
     return RequestView(
         acc=state.acc, ngram_size=s.ngram_size, window_size=s.window_size,
