@@ -47,6 +47,9 @@ def _parse(argv):
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=7, help="engine seed")
+    p.add_argument("--request-seed", type=int, default=None, metavar="BASE",
+                   help="seeded sampling: prompt i gets seed BASE + n*i, as bench.py's "
+                        "--seed (default: unseeded)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="lookahead settings added to {\"method\": \"lookahead\"}")
     p.add_argument("--out", default=None, help="write the table as JSON here")
@@ -245,9 +248,13 @@ def main(argv=None) -> int:
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p,
                         max_tokens=args.max_tokens, n=args.n)
     start, tokens = time.perf_counter(), 0
-    for p in prompts:
+    for i, p in enumerate(prompts):
         if steplog is not None:
             steplog.next_prompt()
+        if args.request_seed is not None:
+            sp = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                max_tokens=args.max_tokens, n=args.n,
+                                seed=args.request_seed + args.n * i)
         out = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)
         tokens += sum(len(o.token_ids) for o in out[0].outputs)
     wall = time.perf_counter() - start

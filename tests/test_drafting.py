@@ -733,6 +733,13 @@ def test_samples_of_one_parent_are_planned_by_who_ends_last():
     assert drafts == [[6, 9, 4], [], [6, 9, 4]]
     assert stats.sibling_ahead_steps == 1  # the one ahead, in the step
     assert stats.sibling_steps == 2  # the two samples
+    # seeded samples only: their drafts never read a weight, none is taken
+    for r in live:
+        r.state.seeded = True
+    assert step._weights(live, 3) == (None, set())
+    assert step._weights(live, 3, closed=True) == (None, set())
+    live[2].state.seeded = False  # an unseeded request beside them: taken
+    assert step._weights(live, 3)[0] is not None
 
 
 def test_a_closed_batch_is_planned_for_its_end():
