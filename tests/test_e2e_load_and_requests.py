@@ -310,6 +310,10 @@ def test_seeded_sampling_is_reproducible_under_the_planner(smollm2_path, prompts
     # (again after a preemption)
     assert set(st["seeded_by_batch"]) == {"1", "2"}, st["seeded_by_batch"]
     assert st["seeded_by_batch"]["2"] >= 4 and st["seeded_by_batch"]["1"] >= 6
+    # the engine's seeded_batch, where larger than n, is the batch priced
+    with engine(smollm2_path, dict(spec, seeded_batch=3), max_num_seqs=16) as llm:
+        llm.generate(batch[:1] + batch[5:], [seeded[0], pair], use_tqdm=False)
+        assert proposer(llm).get_stats()["seeded_by_batch"] == {"3": 3}
 
 
 @pytest.mark.parametrize(
