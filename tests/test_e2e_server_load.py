@@ -209,6 +209,11 @@ def test_sampled_and_n2_requests_complete(lookahead_server_run, specs):
     for spec, answer in zip(specs, lookahead_server_run["answers"]):
         if spec[0] == "sampled":
             assert len(answer) == 2 and all(isinstance(t, str) and t for t in answer), answer
+    # each seeded n=2 request's samples were priced in a step of 2: their n
+    # crossed from the API server's frontend to the engine's workers
+    sampled = sum(spec[0] == "sampled" for spec in specs)
+    priced = lookahead_server_run["stats_after_load"]["seeded_by_batch"]
+    assert priced.get("2", 0) >= 2 * sampled, priced
 
 
 def test_spec_decode_metrics_move_under_load(lookahead_server_run):
