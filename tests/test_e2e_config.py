@@ -38,6 +38,7 @@ def test_engine_args_accept_lookahead(tiny_model_path):
         "adaptive": True, "cost_model": "auto", "shared_memory": True, "memory_tokens": 131072,
         "lookup_len": 0, "parent_latency": True, "batch_end": False, "learn_step_cost": "auto",
         "min_draft_p": 0.0,
+        "seeded_batch": 0,
     }
     assert args.speculative_config == spec  # the user's dict is left as given
 
