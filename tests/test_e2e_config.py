@@ -106,14 +106,15 @@ def test_llm_runs_lookahead_on_tiny_model(tiny_model_path):
         # 1) (a cached curve holds it too: a cache without it is measured
         # anew)
         verify = st["cost_model"]["verify_ms"]
-        assert set(verify) == {"sampled", "greedy"}
+        assert set(verify) == {"sampled", "greedy", "seeded"}
         ladder = {str(b) for b in BATCH_LADDER if b <= 4}  # up to max_num_seqs=4
         for table in verify.values():
             assert set(table) == ladder
             assert all(len(v) == 4 and min(v) >= 0 for v in table.values())
             assert table["1"][3] == 0.0
-        # greedy bonus rows are never skipped: no bonus credit
+        # greedy and seeded bonus rows are never skipped: no bonus credit
         assert all(v[2] == 0.0 for v in verify["greedy"].values())
+        assert all(v[2] == 0.0 for v in verify["seeded"].values())
         # (Which kind costs more is a timing, measured in the benchmarks, not
         # asserted here: under load it can read either way.)
         # No hard-coded batch-size cutoff any more: the planner decides.

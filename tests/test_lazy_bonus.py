@@ -215,7 +215,7 @@ def test_measure_verify_times_accepted_and_rejected_drafts(verifier):
     over the plain sampler."""
     from vllm_lookahead import warmup
 
-    seen = []
+    seen, seeded = [], []
 
     class Spy:
         def __init__(self, inner):
@@ -225,20 +225,26 @@ def test_measure_verify_times_accepted_and_rejected_drafts(verifier):
             out = self.inner(md, draft_probs, logits, sm)
             seen.append((md.draft_token_ids.tolist(), md.num_draft_tokens,
                          out.sampled_token_ids.tolist()))
+            seeded.append(sorted(sm.generators))
             return out
 
     runner = SimpleNamespace(
         device=torch.device("cpu"), sampler=verifier.sampler, rejection_sampler=Spy(verifier),
         model_config=SimpleNamespace(get_vocab_size=lambda: 512, dtype=torch.float32))
     table = warmup._measure_verify(runner, [1, 2])
-    assert set(table) == {"sampled", "greedy"}
+    assert set(table) == {"sampled", "greedy", "seeded"}
     for kind in table.values():
         assert set(kind) == {1, 2}
         for row in kind.values():
             assert len(row) == 4 and all(x >= 0 for x in row)
         assert kind[1][3] == 0.0
-    # a greedy batch's bonus rows are never skipped: not timed, 0
+    # a greedy or seeded batch's bonus rows are never skipped: not timed, 0
     assert all(row[2] == 0.0 for row in table["greedy"].values())
+    assert all(row[2] == 0.0 for row in table["seeded"].values())
+    # the seeded kind ran vLLM's verifier with a generator for every request
+    # (batches 1 and 2), the others with none
+    assert [0] in seeded and [0, 1] in seeded and [] in seeded
+    assert all(g in ([], [0], [0, 1]) for g in seeded)
     every = [(tokens, out) for tokens, nums, out in seen if len(nums) == 2 and nums == [1, 1]]
     hits = [out for tokens, out in every if tokens == [1, 1]]
     misses = [out for tokens, out in every if tokens == [511, 511]]

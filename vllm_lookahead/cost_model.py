@@ -38,8 +38,10 @@ from vllm_lookahead.machine import hardware_id, machine_busy_s  # noqa: F401
 #: another version is ignored (version 1, without the verification costs,
 #: is read as a curve without them).
 CACHE_VERSION = 2
-#: The kinds of request whose verification :attr:`CostCurve.verify` times.
-VERIFY_KINDS = ("sampled", "greedy")
+#: The kinds of request whose verification :attr:`CostCurve.verify` times
+#: (``seeded``: sampled with a request's own ``torch.Generator``, which
+#: vLLM's samplers draw from row by row).
+VERIFY_KINDS = ("sampled", "greedy", "seeded")
 #: Query tokens per request the engine-start ladder measures.
 TOKEN_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 #: Batch buckets the ladder measures (cut to the engine's max_num_seqs).
@@ -172,12 +174,14 @@ class CostCurve:
         f = (batch - lo) / (hi - lo)
         return (1 - f) * self._at(lo, tokens) + f * self._at(hi, tokens)
 
-    def verify_at(self, batch: int, sampled: bool) -> tuple[float, float]:
+    def verify_at(self, batch: int, sampled: bool, seeded: bool = False) -> tuple[float, float]:
         """``(first_s, next_s)`` of :attr:`verify` for a request of a
         ``batch``-request step (``sampled``: a sampled request, else a
-        greedy one): linear in the batch size between measured sizes, the
-        nearest measured size outside them; ``(0, 0)`` if not measured."""
-        first, nxt, _, _ = self._verify_row(batch, sampled)
+        greedy one; ``seeded``: a sampled one with its own generator, where
+        measured, else as ``sampled``): linear in the batch size between
+        measured sizes, the nearest measured size outside them; ``(0, 0)``
+        if not measured."""
+        first, nxt, _, _ = self._verify_row(batch, sampled, seeded)
         return first, nxt
 
     def bonus_at(self, batch: int, sampled: bool) -> float:
@@ -186,14 +190,19 @@ class CostCurve:
         samples bonus rows lazily; 0 if not measured."""
         return self._verify_row(batch, sampled)[2]
 
-    def switch_at(self, batch: int, sampled: bool) -> float:
+    def switch_at(self, batch: int, sampled: bool, seeded: bool = False) -> float:
         """``switch_s`` of :attr:`verify` (as :meth:`verify_at`): what a
         ``batch``-request step pays once where any request drafts; 0 if not
         measured."""
-        return self._verify_row(batch, sampled)[3]
+        return self._verify_row(batch, sampled, seeded)[3]
 
-    def _verify_row(self, batch: int, sampled: bool) -> tuple[float, float, float, float]:
-        table = self.verify.get("sampled" if sampled else "greedy")
+    def _verify_row(self, batch: int, sampled: bool,
+                    seeded: bool = False) -> tuple[float, float, float, float]:
+        table = None
+        if seeded and sampled:
+            table = self.verify.get("seeded")
+        if not table:
+            table = self.verify.get("sampled" if sampled else "greedy")
         if not table:
             return (0.0, 0.0, 0.0, 0.0)
         batch = max(int(batch), 1)
@@ -469,16 +478,17 @@ class CostModel:
             return c1
         return max(self.curve.predict(batch, tokens) - jump, c1)
 
-    def verify(self, batch: int, sampled: bool) -> tuple[float, float]:
+    def verify(self, batch: int, sampled: bool, seeded: bool = False) -> tuple[float, float]:
         """What vLLM's verifier adds for one request's draft in a step of
         ``batch`` requests, ``(first token's seconds, each next one's)``, as
-        measured with the curve (:meth:`CostCurve.verify_at`). It is not in
+        measured with the curve (:meth:`CostCurve.verify_at`; ``seeded``: a
+        sampled request with its own generator, where measured). It is not in
         :meth:`predict`: the planner counts it per request (a sampled
         request's draft costs far more to verify than a greedy one's), and
         the steps booked with :meth:`observe` have it taken out. Nothing
         timed while the engine runs moves it (a seeded request's draft is
         priced with it); :meth:`verify_seen` is what the steps taught."""
-        return self.curve.verify_at(batch, sampled)
+        return self.curve.verify_at(batch, sampled, seeded)
 
     def bonus(self, batch: int, sampled: bool) -> float:
         """What a request's bonus row costs in a ``batch``-request step
@@ -490,13 +500,13 @@ class CostModel:
         draft row's top-p does not, patch 15)."""
         return self.curve.bonus_at(batch, sampled)
 
-    def switch(self, batch: int, sampled: bool) -> float:
+    def switch(self, batch: int, sampled: bool, seeded: bool = False) -> float:
         """What a ``batch``-request step pays once where any request drafts
         (:meth:`CostCurve.switch_at`, measured with the curve): vLLM's
         rejection sampler's own cost over its plain sampler's, beyond each
         drafting request's first token (:meth:`verify`). Like it, taken
         out of the steps booked."""
-        return self.curve.switch_at(batch, sampled)
+        return self.curve.switch_at(batch, sampled, seeded)
 
     def verify_seen(self, batch: int, sampled: bool) -> tuple[float, float]:
         """:meth:`verify` as the steps corrected it, ``(first, next)``

@@ -551,8 +551,9 @@ class Planner:
         learnt from its own text (``kind`` of lookup), the seconds from the
         cost curve as the engine started (no correction from the steps
         seen: :meth:`CostModel.plain`) plus what vLLM's verifier adds, as
-        measured with the curve (a sampled request's, :meth:`CostModel.
-        verify` and :meth:`CostModel.switch` at that batch; without them
+        measured with the curve (a seeded request's where measured, else a
+        sampled one's, :meth:`CostModel.verify` and :meth:`CostModel.switch`
+        at that batch; without them
         :attr:`SEEDED_FIRST`, :attr:`SEEDED_NEXT` of a one-request step), no
         longer than :meth:`draft_cap` allows. 0: no draft.
 
@@ -569,8 +570,10 @@ class Planner:
                 return self.cost.predict(batch, tokens, False)
         b = max(int(batch), 1)
         step = max(plain(b, 1), 1e-12)
-        first, nxt = self.verify(b, True)
-        first += self.switch(b, True)  # the only request drafting, as priced
+        # a seeded request's verification: vLLM's samplers draw its noise
+        # from its own generator, row by row (measured apart at start-up)
+        first, nxt = self.verify(b, True, seeded=True)
+        first += self.switch(b, True, seeded=True)  # the only request drafting, as priced
         if not (first or nxt):
             one = max(plain(1, 1), 1e-12)
             first, nxt = one * self.SEEDED_FIRST, one * self.SEEDED_NEXT
@@ -585,13 +588,16 @@ class Planner:
                 best, best_rate = k, rate
         return best
 
-    def verify(self, batch: int, sampled: bool) -> tuple[float, float]:
+    def verify(self, batch: int, sampled: bool, seeded: bool = False) -> tuple[float, float]:
         """What vLLM's verifier adds for a draft of a request of a
         ``batch``-request step, as measured with the curve
         (:meth:`CostModel.verify`: a seeded request's draft is priced with
-        it); ``(0, 0)`` for a cost without it (a bare curve in tests)."""
+        it, ``seeded``: as measured for requests with their own generators);
+        ``(0, 0)`` for a cost without it (a bare curve in tests)."""
         measured = getattr(self.cost, "verify", None)
-        return measured(batch, sampled) if callable(measured) else (0.0, 0.0)
+        if not callable(measured):
+            return (0.0, 0.0)
+        return measured(batch, sampled, seeded=True) if seeded else measured(batch, sampled)
 
     def bonus(self, batch: int) -> float:
         """What a sampled request's bonus row costs in a ``batch``-request
@@ -602,11 +608,14 @@ class Planner:
             return 0.0
         return measured(batch, True)
 
-    def switch(self, batch: int, sampled: bool) -> float:
+    def switch(self, batch: int, sampled: bool, seeded: bool = False) -> float:
         """What a ``batch``-request step pays once where any request drafts
-        (:meth:`CostModel.switch`; 0 for a cost without it)."""
+        (:meth:`CostModel.switch`, ``seeded`` as :meth:`verify`; 0 for a
+        cost without it)."""
         measured = getattr(self.cost, "switch", None)
-        return measured(batch, sampled) if callable(measured) else 0.0
+        if not callable(measured):
+            return 0.0
+        return measured(batch, sampled, seeded=True) if seeded else measured(batch, sampled)
 
     def verify_seen(self, batch: int, sampled: bool) -> tuple[float, float]:
         """:meth:`verify` as the steps seen corrected it

@@ -49,8 +49,9 @@ CONTEXT = 256
 #: 4: and a rejected one, for the bonus row a lazy verifier skips; 5: and
 #: every request drafting, for what a step pays once where any drafts;
 #: 7 (6 was a reverted change): the ladder breadth first, every batch's
-#: first two sizes before the first batches' long ones).
-STEP_REVISION = 7
+#: first two sizes before the first batches' long ones; 8: the
+#: verification of seeded requests timed apart).
+STEP_REVISION = 8
 #: ``cost_model="off"``: relative cost of each extra query token.
 ASSUMED_PER_TOKEN = 0.1
 #: A timed run during which other processes kept more cores than this busy
@@ -175,7 +176,9 @@ VERIFY_TEMPERATURE, VERIFY_TOP_P = 0.8, 0.95
 
 def measure_verify(runner, batches) -> dict:
     """Time vLLM's own samplers, as the engine's steps run them, for a batch
-    of ``b`` sampled (top-p) or greedy requests: the plain sampler (a step
+    of ``b`` sampled (top-p), greedy or seeded (sampled, each request with
+    its own generator, which vLLM's samplers draw from request by request)
+    requests: the plain sampler (a step
     without drafts; vLLM's rejection sampler over no draft where async
     scheduling keeps it), and the rejection sampler with one request
     drafting one token and :data:`VERIFY_LONG` tokens, all accepted, and,
@@ -189,7 +192,7 @@ def measure_verify(runner, batches) -> dict:
     one added over the plain sampler; ``switch``: the rest of that, which
     the step pays once; 0 at batch 1; ``bonus``: a batch of ``b`` sampled
     one-token drafts all accepted over all rejected, per request; 0 for
-    greedy requests, whose bonus rows patch 15 never skips).
+    greedy and seeded requests, whose bonus rows patch 15 never skips).
 
     The logits are synthetic and peaked (a handful of tokens hold nearly all
     the mass, as a language model's next token mostly does), so top-p keeps
@@ -230,13 +233,17 @@ def _measure_verify(runner, batches) -> dict:
         x[:, : top.numel()] += top
         return x.to(device=device, dtype=dtype)
 
-    def metadata(b: int, sampled: bool):
+    def metadata(b: int, sampled: bool, seeded: bool = False):
         full = lambda v: torch.full((b,), v, device=device, dtype=torch.float32)  # noqa: E731
+        # seeded: every request its own generator, as vLLM gives a request
+        # with a seed (its samplers then draw each request's noise apart)
+        generators = ({i: torch.Generator(device=device).manual_seed(1000 + i) for i in range(b)}
+                      if seeded else {})
         return SamplingMetadata(
             temperature=full(VERIFY_TEMPERATURE) if sampled else None,
             all_greedy=not sampled, all_random=sampled,
             top_p=full(VERIFY_TOP_P) if sampled else None, top_k=None,
-            generators={}, max_num_logprobs=None, logprob_token_ids=None,
+            generators=generators, max_num_logprobs=None, logprob_token_ids=None,
             no_penalties=True, prompt_token_ids=None,
             frequency_penalties=full(0.0), presence_penalties=full(0.0),
             repetition_penalties=full(1.0),
@@ -271,10 +278,11 @@ def _measure_verify(runner, batches) -> dict:
 
     out: dict = {}
     with torch.inference_mode():
-        for kind, sampled in (("sampled", True), ("greedy", False)):
+        for kind, sampled, seeded in (("sampled", True, False), ("greedy", False, False),
+                                      ("seeded", True, True)):
             table = {}
             for b in batches:
-                meta = metadata(b, sampled)
+                meta = metadata(b, sampled, seeded)
                 if plain_verifier:
                     none = spec([0] * b)
                     plain = timed(lambda y: verifier(none, None, y, meta), b)
@@ -289,8 +297,10 @@ def _measure_verify(runner, batches) -> dict:
                 hit = spec([1] * b)
                 accepted = timed(lambda y: verifier(hit, None, y, meta), 2 * b)
                 each = max(accepted - first, 0.0) / (b - 1) if b > 1 else None
-                bonus = 0.0  # greedy batches' bonus rows are never skipped
-                if sampled:
+                # greedy and seeded batches' bonus rows are never skipped
+                # (lazy_bonus.applies)
+                bonus = 0.0
+                if sampled and not seeded:
                     # and one the peaked rows give no mass to, rejected: the
                     # bonus rows a lazy verifier skips, per request (the
                     # sampler's threads split a batch's rows: one row more
