@@ -595,9 +595,7 @@ class Planner:
         it, ``seeded``: as measured for requests with their own generators);
         ``(0, 0)`` for a cost without it (a bare curve in tests)."""
         measured = getattr(self.cost, "verify", None)
-        if not callable(measured):
-            return (0.0, 0.0)
-        return measured(batch, sampled, seeded=True) if seeded else measured(batch, sampled)
+        return measured(batch, sampled, seeded) if callable(measured) else (0.0, 0.0)
 
     def bonus(self, batch: int) -> float:
         """What a sampled request's bonus row costs in a ``batch``-request
@@ -613,9 +611,7 @@ class Planner:
         (:meth:`CostModel.switch`, ``seeded`` as :meth:`verify`; 0 for a
         cost without it)."""
         measured = getattr(self.cost, "switch", None)
-        if not callable(measured):
-            return 0.0
-        return measured(batch, sampled, seeded=True) if seeded else measured(batch, sampled)
+        return measured(batch, sampled, seeded) if callable(measured) else 0.0
 
     def verify_seen(self, batch: int, sampled: bool) -> tuple[float, float]:
         """:meth:`verify` as the steps seen corrected it
