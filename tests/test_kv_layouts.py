@@ -148,6 +148,46 @@ def test_tree_attention_on_gpu_layouts_equals_reference(layout, window, softcap)
     assert torch.all(out[:offset] == 7.0)
 
 
+class CellWriter:
+    """A packing whose K runs across the cell's token rows: the cell
+    ``[N, C]`` read flat as vLLM's CPU backend lays it, K transposed
+    (``K[t, d]`` at ``d * N + t``), then V (``N * D + t * D + d``); written
+    element by element through the logical view, so any strides."""
+
+    head_size = HD
+
+    def __call__(self, k, v, cache, slots):
+        n, c = cache.shape[2], cache.shape[3]
+        slots = slots.long()
+        b, t = slots // n, slots % n
+        h = torch.arange(cache.shape[1])
+        d = torch.arange(HD)
+        for vals, flat in ((k, d[None, :] * n + t[:, None]),
+                           (v, n * HD + t[:, None] * HD + d[None, :])):
+            row, col = flat // c, flat % c  # [tokens, D]
+            cache[b[:, None, None], h[None, :, None], row[:, None, :], col[:, None, :]] = \
+                vals.to(cache.dtype)
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC,
+                                    KVCacheLayout.BHLNC])
+def test_gather_reads_a_packing_across_token_rows_on_any_strides(layout):
+    """Where the cache's blocks are copied in their physical order (a
+    non-contiguous logical view), a K or V whose offsets cross the cell's
+    token rows cannot be read by strides over that copy: the gather falls
+    back to reading it by index, and still reads exactly what was written."""
+    cache = gpu_views(layout, torch.float32)[1]
+    lay = probe_page_layout(cache, HD, CellWriter())
+    assert lay.name == "strided"
+    g = torch.Generator().manual_seed(4)
+    for length, blocks in [(40, [5, 1, 6]), (3, [2])]:
+        k = torch.randn(length, KVH, HD, generator=g)
+        v = torch.randn(length, KVH, HD, generator=g)
+        CellWriter()(k, v, cache, _slots(blocks, length, BS))
+        gk, gv = gather_sequence(cache, torch.tensor(blocks), length, lay)
+        assert torch.equal(gk, k.transpose(0, 1)) and torch.equal(gv, v.transpose(0, 1))
+
+
 class _NoWrite:
     head_size = HD
 

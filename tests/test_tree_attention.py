@@ -12,6 +12,8 @@ vllm_lookahead.tree_attention).
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +23,14 @@ from vllm_lookahead.attn_mask import build_tree
 from vllm_lookahead.kv_layout import UnsupportedLayout, probe_page_layout
 from vllm_lookahead.kv_layout import gather_sequence as _gather_sequence
 from vllm_lookahead.tree_attention import tree_attention
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+if str(BENCH_DIR) not in sys.path:  # the suite's modules import each other by name
+    sys.path.insert(0, str(BENCH_DIR))
+
+# shared with the check of the GPU layouts (benchmarks/gpu_tree_check.py)
+from gpu_tree_check import slots as _slots  # noqa: E402
+from gpu_tree_check import tree_meta  # noqa: E402,F401  (tests/test_kv_layouts.py)
 
 ops = pytest.importorskip("vllm._custom_ops")
 
@@ -78,11 +88,6 @@ WRITERS = [
         marks=pytest.mark.skipif(not _amx_ok(), reason="no AMX tiles on this CPU"),
     ),
 ]
-
-
-def _slots(block_ids, length, bs):
-    t = torch.arange(length)
-    return (torch.as_tensor(block_ids, dtype=torch.int64)[t // bs] * bs + t % bs).long()
 
 
 # --------------------------------------------------------------------------
@@ -469,36 +474,6 @@ def test_tree_attention_keeps_query_dtype():
 # (c) the worker's batched path (all requests in one padded attention call,
 #     whole blocks gathered) equals the per-request reference
 # --------------------------------------------------------------------------
-
-
-def tree_meta(reqs, offset, cache_writer, cache, bs, device="cpu"):
-    """Write each request's prefix into ``cache`` and build the step's
-    TreeAttnMetadata. ``reqs``: (length, block ids, (N, W, G))."""
-    from vllm_lookahead.worker import TreeAttnMetadata
-
-    kvh, hd = cache.shape[1], None
-    starts, ends, lens, masks, pos, blocks, prefixes = [], [], [], [], [], [], []
-    row = offset
-    for length, blk, (n, w, g) in reqs:
-        hd = hd or cache_writer.head_size
-        k = torch.randn(length, kvh, hd)
-        v = torch.randn(length, kvh, hd)
-        k, v = k.to(cache.dtype), v.to(cache.dtype)
-        cache_writer(k, v, cache, _slots(blk, length, bs))
-        prefixes.append((k.float(), v.float()))
-        tree = build_tree(n, w, g)
-        starts.append(row)
-        row += tree.num_nodes
-        ends.append(row)
-        lens.append(length)
-        masks.append(tree.mask.copy())
-        pos.append(length + tree.depth.astype(np.int64))
-        blocks.append(np.asarray(blk + [0], dtype=np.int64))  # tables are padded
-    meta = TreeAttnMetadata(
-        starts=starts, ends=ends, context_lens=lens, masks=masks,
-        positions=np.concatenate(pos), blocks=[(bs, blocks)], device=torch.device(device),
-        offset=offset)
-    return meta, row, prefixes
 
 
 class _CpuWriter:
