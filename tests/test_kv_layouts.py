@@ -188,6 +188,45 @@ def test_gather_reads_a_packing_across_token_rows_on_any_strides(layout):
         assert torch.equal(gk, k.transpose(0, 1)) and torch.equal(gv, v.transpose(0, 1))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_token_major_gather_reads_in_place_of_a_dense_copy(layout):
+    """Where the copied blocks hold a request's tokens at one stride (the
+    token outermost within a block: LBNHC, CUDA's default, and BLNHC), K
+    and V come back as views of the one copy, equal to what was written;
+    elsewhere the gather declines. The worker's tree attention over such a
+    copy writes its tree rows into the copy, never into the cache."""
+    from types import SimpleNamespace
+
+    from vllm_lookahead.kv_layout import gather_token_major
+    from vllm_lookahead.worker import TreeAttentionImpl
+
+    views = gpu_views(layout, torch.float32, seed=5)
+    cache = views[1]
+    lay = probe_page_layout(cache, HD, FlashWriter())
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(40, KVH, HD, generator=g)
+    v = torch.randn(40, KVH, HD, generator=g)
+    FlashWriter()(k, v, cache, _slots([5, 1, 6], 40, BS))
+    got = gather_token_major(cache, torch.tensor([[5, 1, 6, 0]]), lay)
+    if layout.name not in ("LBNHC", "BLNHC"):
+        assert got is None
+        return
+    gk, gv = got
+    assert gk.shape == (1, KVH, 4 * BS, HD) and gk.data_ptr() != cache.data_ptr()
+    assert torch.equal(gk[0, :, :40], k.transpose(0, 1))
+    assert torch.equal(gv[0, :, :40], v.transpose(0, 1))
+    # the whole layer over that gather: the cache's bytes stay as they were
+    reqs = [(37, [3, 0, 9], (4, 3, 2)), (5, [7], (3, 2, 0))]
+    meta, total, _ = tree_meta(reqs, 2, FlashWriter(), cache, BS)
+    before = [x.clone() for x in views]
+    inner = SimpleNamespace(scale=0.2, logits_soft_cap=0.0, sliding_window=-1)
+    impl = TreeAttentionImpl(inner, "layer", 0, lay, owner=None)
+    impl._tree(meta, torch.randn(total, 4, HD), torch.randn(total, KVH, HD),
+               torch.randn(total, KVH, HD), cache, torch.zeros(total, 4, HD))
+    assert impl._token_major is True
+    assert all(torch.equal(a, b) for a, b in zip(views, before))
+
+
 class _NoWrite:
     head_size = HD
 

@@ -256,6 +256,40 @@ def gather_pages(
             out.view(r_n, kvh, nb, bs, hd).copy_(src.permute(0, 2, 1, 3, 4))
 
 
+def gather_token_major(kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                       layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """K and V of whole blocks as views of one copy, each ``[R, H, nb * N,
+    D]`` (token ``j`` of a request: its block ``j // N``, offset ``j %
+    N``), where the cache's blocks, copied in their physical order, hold
+    every token of a request at one stride (the token outermost within a
+    block, K and V each at affine offsets within a token's row: CUDA's
+    default LBNHC with FlashAttention's ``K | V`` packing); else None
+    (:func:`gather_pages` then). One copy of the blocks and no second one
+    into a dense K and V; slots past a request's tokens (its padding
+    blocks) may be overwritten, the cache never is.
+
+    Args:
+        kv_cache: the layer's logical ``[num_blocks, H, N, C]`` cache.
+        block_ids: int64 ``[R, nb]`` on the cache's device.
+    """
+    r_n, nb = block_ids.shape
+    pages = _block_pages(kv_cache, block_ids.view(-1))
+    out = []
+    for view in (layout.k_view, layout.v_view):
+        cell = None if view is None else _cell_view(pages, view, layout.content)
+        if cell is None:
+            return None
+        start, sizes, strides = cell
+        if sizes[1] != 1 or sizes[3] != 1 or strides[0] * layout.block_size != pages.stride(0):
+            return None  # tiled, or a token stride that changes at a block's edge
+        p0 = pages.stride(0)
+        out.append(pages.as_strided((r_n, layout.num_kv_heads, nb * layout.block_size,
+                                     layout.head_size),
+                                    (nb * p0, pages.stride(1), strides[0], strides[2]),
+                                    pages.storage_offset() + start))
+    return out[0], out[1]
+
+
 def _block_pages(kv_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The blocks ``ids`` of the logical ``[num_blocks, H, N, C]`` cache,
     ``[len(ids), H, N, C]``: copied whole in the cache's physical order

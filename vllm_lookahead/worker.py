@@ -27,7 +27,12 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 
-from vllm_lookahead.kv_layout import PageLayout, gather_pages, probe_page_layout
+from vllm_lookahead.kv_layout import (
+    PageLayout,
+    gather_pages,
+    gather_token_major,
+    probe_page_layout,
+)
 from vllm_lookahead.tree_attention import batched_tree_attention, tree_attention_mask
 
 logger = init_logger("vllm." + __name__)  # under "vllm": vLLM configures that logger
@@ -92,15 +97,26 @@ class TreeAttnMetadata:
         ``[R, T, ...]`` with no padding."""
         return len(set(self.sizes)) == 1
 
-    def pages(self, group: int) -> tuple[torch.Tensor, int]:
-        """int64 ``[R, nb]`` block ids on the device and ``P``, the prefix
-        slots they hold (``nb * block_size``)."""
-        key = ("pages", group)
+    def prefix_slots(self, group: int) -> int:
+        """``P``: the key slots of the longest request's cached blocks."""
+        key = ("prefix", group)
+        hit = self._memo.get(key)
+        if hit is None:
+            bs = self.blocks[group][0]
+            hit = self._memo[key] = max(max(-(-n // bs) for n in self.context_lens), 1) * bs
+        return hit
+
+    def pages(self, group: int, extra: int = 0) -> tuple[torch.Tensor, int]:
+        """int64 ``[R, nb + extra]`` block ids on the device and ``P``, the
+        prefix slots the first ``nb`` hold (``nb * block_size``); past them
+        ``extra`` padding blocks a request's tree rows may go into
+        (:func:`~vllm_lookahead.kv_layout.gather_token_major`)."""
+        key = ("pages", group, extra)
         hit = self._memo.get(key)
         if hit is None:
             bs, per_req = self.blocks[group]
-            nb = max(max(-(-n // bs) for n in self.context_lens), 1)
-            ids = np.empty((len(per_req), nb), dtype=np.int64)
+            nb = self.prefix_slots(group) // bs
+            ids = np.empty((len(per_req), nb + extra), dtype=np.int64)
             for r, (b, n) in enumerate(zip(per_req, self.context_lens)):
                 k = max(-(-n // bs), 1)
                 ids[r, :k] = b[:k]
@@ -119,17 +135,19 @@ class TreeAttnMetadata:
                                         torch.from_numpy(slots).to(self.device))
         return hit
 
-    def float_mask(self, group: int, window: int, dtype: torch.dtype) -> torch.Tensor:
-        """Additive ``[R, 1, T, P + T]`` mask in ``dtype`` on the device:
-        the request's cached prefix (or its last ``window`` positions), then
-        its tree; padded keys are masked off, a padded query sees only its
-        own (zero) slot."""
-        key = ("mask", group, window, dtype)
+    def float_mask(self, group: int, window: int, dtype: torch.dtype,
+                   width: int | None = None) -> torch.Tensor:
+        """Additive ``[R, 1, T, width]`` mask in ``dtype`` on the device
+        (``width`` at least ``P + T``, its default): the request's cached
+        prefix (or its last ``window`` positions), then its tree from slot
+        ``P``; padded keys are masked off, a padded query sees only its own
+        (zero) slot."""
+        p, t_max = self.prefix_slots(group), self.t_max
+        width = p + t_max if width is None else width
+        key = ("mask", group, window, dtype, width)
         hit = self._memo.get(key)
         if hit is None:
-            _, p = self.pages(group)
-            t_max = self.t_max
-            allowed = np.zeros((len(self.starts), 1, t_max, p + t_max), dtype=bool)
+            allowed = np.zeros((len(self.starts), 1, t_max, width), dtype=bool)
             allowed[:, 0, np.arange(t_max), p + np.arange(t_max)] = True
             for r, (n, t, m) in enumerate(zip(self.context_lens, self.sizes, self.masks)):
                 s = self.starts[r] - self.offset
@@ -155,6 +173,9 @@ class TreeAttentionImpl:
         self._layout = layout
         self._owner = owner  # the LookaheadWorker (holds the fused metadata)
         self._softcap = float(getattr(inner, "logits_soft_cap", 0) or 0)
+        #: whether this layer's cache gathers token-major (kv_layout.
+        #: gather_token_major); None: not tried yet
+        self._token_major: bool | None = None
         window = getattr(inner, "sliding_window", -1)
         if isinstance(window, (tuple, list)):  # some backends keep (left, right)
             window = window[0] + 1 if window[0] >= 0 else -1
@@ -187,14 +208,23 @@ class TreeAttentionImpl:
         """All requests' tree rows in one attention call: the cached blocks
         gathered whole (one copy per layer), the tree rows after them."""
         lay = self._layout
-        ids, p = m.pages(self._group)
         r_n, t_max = len(m.starts), m.t_max
         kvh, d = lay.num_kv_heads, lay.head_size
         h = query.shape[1]
         dt = kv_cache.dtype
-        kb = torch.empty((r_n, kvh, p + t_max, d), dtype=dt, device=kv_cache.device)
-        vb = torch.empty_like(kb)
-        gather_pages(kv_cache, ids, lay, kb[:, :, :p], vb[:, :, :p])
+        kv = None
+        if self._token_major is not False:
+            # the tree rows after the prefix, in padding blocks of the copy
+            ids, p = m.pages(self._group, extra=-(-t_max // lay.block_size))
+            kv = gather_token_major(kv_cache, ids, lay)
+            self._token_major = kv is not None
+        if kv is None:
+            ids, p = m.pages(self._group)
+            kb = torch.empty((r_n, kvh, p + t_max, d), dtype=dt, device=kv_cache.device)
+            vb = torch.empty_like(kb)
+            gather_pages(kv_cache, ids, lay, kb[:, :, :p], vb[:, :, :p])
+        else:
+            kb, vb = kv
         if m.uniform:  # no padding: views of the tree rows
             s, e = m.offset, m.offset + r_n * t_max
             q, k, v = query[s:e], key[s:e], value[s:e]
@@ -206,10 +236,10 @@ class TreeAttentionImpl:
             q[slots] = query[rows]
             k[slots] = key[rows]
             v[slots] = value[rows]
-        kb[:, :, p:].copy_(k.view(r_n, t_max, kvh, d).transpose(1, 2))
-        vb[:, :, p:].copy_(v.view(r_n, t_max, kvh, d).transpose(1, 2))
+        kb[:, :, p : p + t_max].copy_(k.view(r_n, t_max, kvh, d).transpose(1, 2))
+        vb[:, :, p : p + t_max].copy_(v.view(r_n, t_max, kvh, d).transpose(1, 2))
         q = q.view(r_n, t_max, h, d).transpose(1, 2).to(dt)
-        mask = m.float_mask(self._group, self._window, dt)
+        mask = m.float_mask(self._group, self._window, dt, kb.shape[2])
         out = batched_tree_attention(q, kb, vb, mask, self._inner.scale, self._softcap)
         out = out.transpose(1, 2)  # [R, T, H, D]
         if m.uniform:
