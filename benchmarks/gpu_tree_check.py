@@ -304,6 +304,54 @@ def time_layer(device: torch.device, batch: int, context: int, iters: int) -> di
             "tree_us_per_row": 1e3 * tree_ms / (batch * rows)}
 
 
+#: timing: Llama-3-8B's linear layers (hidden, intermediate)
+T_HIDDEN, T_INTER = 4096, 14336
+
+
+def step_cost(device: torch.device, batch: int, context: int, iters: int) -> dict:
+    """What the default tree adds to one decoder layer's step, Llama-3-8B's
+    shapes, bfloat16, random weights: a plain step is ``batch`` rows through
+    the layer's linear layers (QKV, O, gate/up, down) and one decode row's
+    attention each (the SDPA proxy); a fused tree step is ``batch * (1 +
+    tree rows)`` rows through the same linear layers, the same decode
+    attention and :func:`layer_step`'s tree attention. Each part is timed on
+    its own (eager, one stream; norms, rotary embeddings and activations
+    left out) and the parts added up."""
+    dt = torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+    ws = [torch.randn(o, i, device=device, dtype=dt, generator=g) * i**-0.5
+          for o, i in ((T_H * T_HD + 2 * T_KVH * T_HD, T_HIDDEN), (T_HIDDEN, T_H * T_HD),
+                       (2 * T_INTER, T_HIDDEN), (T_HIDDEN, T_INTER))]
+
+    def linears(rows: int):
+        x = torch.randn(rows, T_HIDDEN, device=device, dtype=dt)
+        h = torch.randn(rows, T_H * T_HD, device=device, dtype=dt)
+        m = torch.randn(rows, T_INTER, device=device, dtype=dt)
+
+        def run():
+            torch.nn.functional.linear(x, ws[0])
+            torch.nn.functional.linear(h, ws[1])
+            torch.nn.functional.linear(x, ws[2])
+            torch.nn.functional.linear(m, ws[3])
+        return run
+
+    tree, meta = layer_step(device, batch, context)
+    q1 = torch.randn(batch, T_H, 1, T_HD, device=device, dtype=dt)
+    k1 = torch.randn(batch, T_KVH, context, T_HD, device=device, dtype=dt)
+    decode = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        q1, k1, k1, scale=T_HD**-0.5, enable_gqa=True)
+    rows = meta.t_max
+    lin1 = median_ms(linears(batch), device, iters)
+    lin_t = median_ms(linears(batch * (1 + rows)), device, iters)
+    dec = median_ms(decode, device, iters)
+    tre = median_ms(tree, device, iters)
+    plain, fused = lin1 + dec, lin_t + dec + tre
+    return {"batch": batch, "context": context, "tree_rows": rows,
+            "linear_plain_ms": lin1, "linear_tree_ms": lin_t, "decode_ms": dec,
+            "tree_attention_ms": tre, "plain_step_ms": plain, "tree_step_ms": fused,
+            "tree_step_over_plain": fused / plain}
+
+
 def profile_layer(device: torch.device, batch: int, context: int, iters: int = 10) -> str:
     """torch.profiler's table (by device time) of :func:`layer_step`."""
     from torch.profiler import ProfilerActivity, profile
@@ -330,6 +378,9 @@ def _parse(argv):
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--iters", type=int, default=20, help="timed runs per median")
+    p.add_argument("--step-cost", action="store_true",
+                   help="also time a whole decoder layer's step with and without the "
+                        "tree (step_cost) at --batches x --contexts")
     p.add_argument("--profile", type=int, nargs=2, metavar=("BATCH", "CONTEXT"), default=None,
                    help="also write torch.profiler's table of one such layer call to "
                         "DIR/gpu_tree_profile.txt")
@@ -379,6 +430,21 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"{r['batch']:6d}{r['context']:8d}{r['tree_rows']:10d}{r['tree_ms']:10.3f}"
                   f"{r['decode_sdpa_ms']:11.3f}{r['ratio']:12.2f}{r['tree_us_per_row']:12.2f}")
+    steps = []
+    if args.step_cost and not args.no_time:
+        with torch.inference_mode():
+            steps = [step_cost(device, b, c, args.iters)
+                     for c in args.contexts for b in args.batches]
+        print("\none decoder layer, Llama-3-8B shapes, bfloat16, random weights, eager: "
+              "the linear layers and attention of a plain step and of a fused step with "
+              "the default tree (parts timed apart and added)")
+        print(f"{'batch':>6s}{'context':>8s}{'plain ms':>10s}{'tree ms':>10s}{'ratio':>8s}"
+              f"{'lin 1':>8s}{'lin 1+T':>9s}{'decode':>8s}{'tree att':>10s}")
+        for r in steps:
+            print(f"{r['batch']:6d}{r['context']:8d}{r['plain_step_ms']:10.3f}"
+                  f"{r['tree_step_ms']:10.3f}{r['tree_step_over_plain']:8.2f}"
+                  f"{r['linear_plain_ms']:8.3f}{r['linear_tree_ms']:9.3f}{r['decode_ms']:8.3f}"
+                  f"{r['tree_attention_ms']:10.3f}")
     path = Path(args.out) / "gpu_tree_check.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({
@@ -388,7 +454,7 @@ def main(argv=None) -> int:
         "timing_note": "median of --iters runs after 3 warm-up runs, per layer; decode_sdpa_ms: "
                        "torch SDPA of one query row per request over a contiguous prefix, a "
                        "proxy for FlashAttention's paged decode, not vLLM's kernel",
-        "timing": rows}, indent=2))
+        "timing": rows, "step_cost": steps}, indent=2))
     print(f"wrote {path}")
     if args.profile:
         with torch.inference_mode():

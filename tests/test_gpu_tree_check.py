@@ -84,3 +84,16 @@ def test_runs_without_vllm(tmp_path):
     assert report["passed"] and not report["vllm_importable"]
     assert report["timing"] == []
     assert all(c["passed"] for c in report["checks"])
+
+
+def test_step_cost_rows_reach_the_report(tmp_path):
+    """``--step-cost``: a decoder layer's plain and tree steps, timed part by
+    part, in the JSON (on the CPU, the smallest shapes of the run)."""
+    assert gtc.main(["--device", "cpu", "--out", str(tmp_path), "--batches", "1",
+                     "--contexts", "16", "--iters", "1", "--step-cost"]) == 0
+    report = json.loads((tmp_path / "gpu_tree_check.json").read_text())
+    (row,) = report["step_cost"]
+    assert (row["batch"], row["context"], row["tree_rows"]) == (1, 16, 18)
+    parts = row["linear_tree_ms"] + row["decode_ms"] + row["tree_attention_ms"]
+    assert row["tree_step_ms"] == pytest.approx(parts)
+    assert row["plain_step_ms"] == pytest.approx(row["linear_plain_ms"] + row["decode_ms"])
