@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from test_tree_attention import _slots, tree_meta
+from test_tree_attention import _slots, tree_meta  # puts benchmarks/ on the path
+
+import gpu_tree_check  # noqa: E402, I001
 from vllm_lookahead.kv_layout import gather_sequence, probe_page_layout, scratch_like
 from vllm_lookahead.tree_attention import tree_attention
 
@@ -31,18 +33,12 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 BS, KVH, HD, NB, LAYERS = 16, 2, 64, 12, 3
 
 
-class FlashWriter:
-    """``reshape_and_cache_flash`` in torch: K into ``C[:D]``, V into
-    ``C[D:]`` of the logical ``[B, H, N, C]`` view, any strides."""
+class FlashWriter(gpu_tree_check.FlashWriter):
+    """``reshape_and_cache_flash`` in torch (the GPU check's writer) at this
+    file's head size: K into ``C[:D]``, V into ``C[D:]``, any strides."""
 
-    head_size = HD
-
-    def __call__(self, k, v, cache, slots):
-        kc, vc = cache.transpose(1, 2).split(self.head_size, dim=-1)  # [B, N, H, D]
-        slots = slots.long()
-        b, t = slots // cache.shape[2], slots % cache.shape[2]
-        kc[b, t] = k.to(cache.dtype)
-        vc[b, t] = v.to(cache.dtype)
+    def __init__(self) -> None:
+        super().__init__(HD)
 
 
 def gpu_views(layout: KVCacheLayout, dtype, num_layers=LAYERS, seed=0):
