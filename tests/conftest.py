@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 from vllm_lookahead.tools import make_tiny_model, prepare_smollm2
+
+#: The benchmark suite, whose modules import each other by bare name
+#: (``bench``, ``methods``, ``gpu_tree_check``, ...): on the path for every
+#: test that imports them.
+BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+if str(BENCH_DIR) not in sys.path:
+    sys.path.insert(0, str(BENCH_DIR))
 
 
 @pytest.fixture(scope="session")

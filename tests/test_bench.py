@@ -6,15 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
-if str(BENCH_DIR) not in sys.path:  # the suite's modules import each other by name
-    sys.path.insert(0, str(BENCH_DIR))
 
 import bench  # noqa: E402
 import child  # noqa: E402

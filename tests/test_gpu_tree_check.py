@@ -20,8 +20,6 @@ import pytest
 import torch
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
-if str(BENCH_DIR) not in sys.path:  # the suite's modules import each other by name
-    sys.path.insert(0, str(BENCH_DIR))
 
 import gpu_tree_check as gtc  # noqa: E402
 

@@ -21,9 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from test_tree_attention import _slots, tree_meta  # puts benchmarks/ on the path
-
-import gpu_tree_check  # noqa: E402, I001
+import gpu_tree_check  # benchmarks/, on the path through conftest.py
+from test_tree_attention import _slots, tree_meta
 from vllm_lookahead.kv_layout import gather_sequence, probe_page_layout, scratch_like
 from vllm_lookahead.tree_attention import tree_attention
 

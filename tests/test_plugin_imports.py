@@ -29,7 +29,7 @@ FORBIDDEN = ("vllm_lookahead.tools", "vllm_lookahead.demo", "gguf", "benchmarks"
 # Runs in the child: import the plugin and register it the way vLLM's plugin
 # loader does (``plugin.load()()``), then report what got imported. Modules
 # of the benchmark suite are imported by bare name (``bench``, ``methods``,
-# ...; tests/test_bench.py puts benchmarks/ on sys.path), so they are found
+# ...; tests/conftest.py puts benchmarks/ on sys.path), so they are found
 # by file location as well as by name.
 CHILD = """
 import json, sys

@@ -12,8 +12,6 @@ vllm_lookahead.tree_attention).
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,11 +22,8 @@ from vllm_lookahead.kv_layout import UnsupportedLayout, probe_page_layout
 from vllm_lookahead.kv_layout import gather_sequence as _gather_sequence
 from vllm_lookahead.tree_attention import tree_attention
 
-BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
-if str(BENCH_DIR) not in sys.path:  # the suite's modules import each other by name
-    sys.path.insert(0, str(BENCH_DIR))
-
-# shared with the check of the GPU layouts (benchmarks/gpu_tree_check.py)
+# shared with the check of the GPU layouts (benchmarks/gpu_tree_check.py,
+# on the path through conftest.py)
 from gpu_tree_check import slots as _slots  # noqa: E402
 from gpu_tree_check import tree_meta  # noqa: E402,F401  (tests/test_kv_layouts.py)
 
