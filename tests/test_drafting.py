@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_lookahead.acceptance import AcceptancePrior
+from vllm_lookahead.acceptance import AcceptancePrior, pool_kind
 from vllm_lookahead.attn_mask import build_tree, fill_tree_tokens, tree_size
 from vllm_lookahead.config import LookaheadConfig, RequestSettings
 from vllm_lookahead.drafting import (
@@ -81,11 +81,30 @@ def test_lookup_falls_back_to_the_pool_most_seen_then_newest():
     s.pool.add(9, (7, 7, 7), SOURCE_PROMPT)  # newest, seen once
     toks = np.array([40, 41, 42, 9], dtype=np.int32)  # no earlier suffix
     assert lookup(s, toks, 4, room=2, prompt_pool=True) == [1, 2]
-    assert s.lookup_kind == "pool" and s.lookup_sources == [SOURCE_WINDOW] * 2
+    # 2 of the token's 4 counts: no majority, a kind of its own
+    assert s.lookup_kind == "poolsplit" and s.lookup_sources == [SOURCE_WINDOW] * 2
+    s.pool.add(9, (1, 2, 3), SOURCE_WINDOW)  # 3 of 5
+    assert lookup(s, toks, 4, room=2, prompt_pool=True) == [1, 2]
+    assert s.lookup_kind == "pool"
     # prompt pool off: the pool even where a suffix matches
     toks = np.array([8, 9, 30, 8, 9], dtype=np.int32)
     assert lookup(s, toks, 5, room=5, prompt_pool=False) == [1, 2, 3]
     assert s.lookup_kind == "pool"
+
+
+def test_pool_kind_splits_the_guesses_by_their_share_of_the_counts():
+    assert pool_kind([1], 0) == "pool"  # the only continuation
+    assert pool_kind([3], 0) == "pool"
+    assert pool_kind([2, 1], 0) == "pool"  # most of the counts
+    assert pool_kind([1, 1], 0) == "poolsplit"  # the newest of two seen once
+    assert pool_kind([2, 1, 1], 0) == "poolsplit"  # half is not most
+    assert pool_kind([1, 3, 1], 1) == "pool"
+    # learnt apart, each from its own prior
+    s = _state()
+    assert s.acc.unchecked_p("poolsplit") < s.acc.unchecked_p("pool")
+    for _ in range(6):
+        s.acc.observe_unchecked([5], [5], "poolsplit")  # every guess right
+    assert s.acc.unchecked_p("poolsplit") > s.acc.unchecked_p("pool")
 
 
 def test_lookup_without_room_looks_up_n_tokens_and_empty_without_match():

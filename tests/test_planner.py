@@ -352,7 +352,7 @@ def test_the_bound_takes_only_the_kinds_a_request_can_draft():
     assert own.p_unchecked == pytest.approx(
         min(max(prior.p_unchecked["suffix4"], acc.unchecked["suffix4"].p) * factor, 0.98))
     assert own.p_unchecked < every.p_unchecked
-    assert possible_kinds(False, True, False) == ("pool",)
+    assert possible_kinds(False, True, False) == ("pool", "poolsplit")
     assert set(possible_kinds(True, True, True)) == set(LOOKUP_KINDS)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_lookahead.acceptance import AcceptancePrior, RequestAcceptance, match_kind
+from vllm_lookahead.acceptance import AcceptancePrior, RequestAcceptance, match_kind, pool_kind
 from vllm_lookahead.attn_mask import TreeLayout
 from vllm_lookahead.state import (
     SOURCE_MEMORY,
@@ -143,7 +143,8 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
     ``state.lookup_sources`` and ``state.lookup_kind`` (the source, the
     key's length and the places' agreement on the first token,
     :func:`~vllm_lookahead.state.agreement`: ``"suffix3+"``,
-    ``"memory6-"``, ``"suffix16"``, ..., ``"memory1"`` or ``"pool"``;
+    ``"memory6-"``, ``"suffix16"``, ..., ``"memory1"``, ``"pool"`` or
+    ``"poolsplit"``, :func:`~vllm_lookahead.acceptance.pool_kind`;
     :func:`~vllm_lookahead.acceptance.match_kind`)."""
     n = state.settings.ngram_size
     k = min(room if room > 0 else n, max(n, state.settings.lookup_len))
@@ -180,10 +181,13 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
             else:
                 cands = [(c, 1, SOURCE_MEMORY)
                          for c in memory.ngrams(state.memory_scope, newest)[:1]]
-        best = choose_candidate([0] * len(cands), [c for _, c, _ in cands])
+        counts = [c for _, c, _ in cands]
+        best = choose_candidate([0] * len(cands), counts)
         if best >= 0:
             cont, _, source = cands[best]
             draft = list(cont)[:k]
+            if state.lookup_kind == "pool":
+                state.lookup_kind = pool_kind(counts, best)
     state.lookup_sources = [source] * len(draft)
     return draft
 
