@@ -620,7 +620,7 @@ def test_requests_left_off_after_their_lookup_are_off_in_the_full_plan(monkeypat
                                                          rows=rows)
         step.trees = False
         # the planner's unchecked gains scaled by the engine's calibration
-        prior.calibration = rng.choice([1.0, rng.uniform(0.3, 1.0)])
+        prior.calibration = rng.choice([1.0, rng.uniform(0.3, 1.5)])
         # a verifier whose step pays a switch once where any request drafts
         flat = CostCurve.flat(0.05, rng.choice([0.001, 0.01, 0.05]))
         row = (rng.uniform(0, 0.004), rng.uniform(0, 0.002), 0.0, rng.uniform(0, 0.02))

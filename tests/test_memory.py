@@ -246,9 +246,16 @@ def test_calibration_scales_unchecked_gains_to_what_was_accepted():
         prior.calibrate(acc.unchecked_gain(4, "suffix4"), round(raw))
     assert 0.3 <= prior.calibration < 0.8
     assert acc.unchecked_gain(4, "suffix4") == pytest.approx(raw * prior.calibration)
-    for _ in range(2000):  # then everything expected was accepted: back to 1, not above
-        prior.calibrate(acc.unchecked_gain(4, "suffix4"), acc.unchecked_gain(4, "suffix4") * 2)
-    assert prior.calibration == 1.0
+    for _ in range(2000):  # then the estimates were right: back to 1
+        prior.calibrate(acc.unchecked_gain(4, "suffix4"), raw)
+    assert prior.calibration == pytest.approx(1.0, abs=0.01)
+    for _ in range(2000):  # then more than expected: above 1, to the ceiling
+        prior.calibrate(acc.unchecked_gain(4, "suffix4"), raw * 1.2)
+    assert 1.15 < prior.calibration < 1.25
+    assert acc.unchecked_gain(4, "suffix4") == pytest.approx(raw * prior.calibration)
+    for _ in range(2000):
+        prior.calibrate(acc.unchecked_gain(4, "suffix4"), raw * 4)
+    assert prior.calibration == prior.CALIBRATION_MAX
 
 
 # -- drafts longer than N (lookup_len) ---------------------------------------

@@ -207,7 +207,7 @@ def test_any_pays_false_means_the_plan_is_all_off():
         prior = AcceptancePrior(max_cands=8, p_unchecked=rng.uniform(0, 0.6),
                                 p_checked=rng.uniform(0.5, 1.0))
         # the unchecked gains as the planner scales them (the bounds too)
-        prior.calibration = cal = rng.choice([1.0, rng.uniform(0.3, 1.0)])
+        prior.calibration = cal = rng.choice([1.0, rng.uniform(0.3, 1.5)])
         batch = rng.choice([1, 2, 4, 8, 16, 24])
         share = rng.choice([0.0, 0.5, 1.0])  # of the requests that sample
         views, sampled = [], []
