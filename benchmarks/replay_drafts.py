@@ -78,7 +78,7 @@ import numpy as np
 SUFFIX_PATTERN = 24
 #: The settings the cached samples were made with (made again on a change).
 SAMPLING_KEYS = ("datasets", "prompts", "n", "temperature", "top_p", "max_tokens",
-                 "engine_seed", "dtype")
+                 "engine_seed", "dtype", "structured")
 
 
 def _parse(argv):
@@ -94,6 +94,9 @@ def _parse(argv):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--samples", default="benchmarks/results/replay_samples.json",
                    help="the sampled outputs (made by vanilla vLLM when missing)")
+    p.add_argument("--structured", action="store_true",
+                   help="sample the template set held to its JSON schema (vLLM structured "
+                        "outputs), as bench.py's --structured")
     p.add_argument("--repeat", action="store_true",
                    help="replay each prompt's samples as requests asked one after another "
                         "(pass k: sample k of every prompt, one request at a time) instead "
@@ -115,7 +118,7 @@ def sample_outputs(args) -> dict:
     vanilla vLLM (in this process)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     sys.path.insert(0, str(Path(__file__).parent))
-    from prompts import _load_prompts, _prepare_model
+    from prompts import _load_prompts, _prepare_model, template_schema
     from tqdm import tqdm
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
@@ -125,10 +128,15 @@ def sample_outputs(args) -> dict:
     tok = AutoTokenizer.from_pretrained(path)
     llm = LLM(path, dtype=args.dtype, enforce_eager=True, max_model_len=2048,
               max_num_seqs=args.n, seed=args.engine_seed, kv_cache_memory_bytes=1 << 30)
-    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
-                            max_tokens=args.max_tokens)
     out = {}
     for ds in args.datasets:
+        kwargs = {}
+        if args.structured and ds == "template":  # as bench.py's --structured
+            from vllm.sampling_params import StructuredOutputsParams
+
+            kwargs["structured_outputs"] = StructuredOutputsParams(json=template_schema())
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
+                                max_tokens=args.max_tokens, **kwargs)
         out[ds] = []
         for p in tqdm(_load_prompts(ds, args.prompts, tok), desc=f"sampling {ds}"):
             got = llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0]
@@ -436,6 +444,8 @@ def main(argv=None) -> None:
     samples_path = Path(args.samples)
     config = {k: getattr(args, k) for k in SAMPLING_KEYS}
     cached = json.loads(samples_path.read_text()) if samples_path.exists() else None
+    if cached is not None:  # files from before --structured were sampled without it
+        cached.get("config", {}).setdefault("structured", False)
     if cached is not None and cached.get("config") == config:
         data = cached["sets"]
     else:  # none yet, or made with other settings
