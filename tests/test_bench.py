@@ -1296,3 +1296,28 @@ def test_step_fit_recovers_a_draft_price_and_differencing_drops_a_drift():
         assert got[name]["se_q+r"] < 0.2
     assert got["plain"]["q+r"] > 1.5 + 0.3  # the drift read as a draft's price
     assert step_fit.fits(rows, 8) == {}  # no step of that bucket
+
+
+def test_planned_vs_seen_reads_sampled_lookahead_rows(tmp_path):
+    import planned_vs_seen
+
+    def row(ds, planned, seen, t=0.8):
+        return {"dataset": ds, "temperature": t,
+                "lookahead_deltas": {"planned_gain": planned, "planned_gain_seen": seen}}
+
+    good = tmp_path / "a.json"
+    good.write_text(json.dumps({"rows": [
+        row("template", 100, 120), row("template", 200, 180), row("humaneval", 100, 105),
+        row("mtbench", 10, 30),  # too few planned tokens: left out
+        row("mtbench", 100, 300, t=0.0),  # greedy: left out
+        {"dataset": "mtbench", "method": "vanilla"}]}))
+    (tmp_path / "b.json").write_text("[1, 2]")  # not a results file
+    (tmp_path / "c.json").write_text("{not json")
+    got = planned_vs_seen.ratios([str(p) for p in sorted(tmp_path.iterdir())])
+    assert sorted(got["template"]) == [0.9, 1.2] and got["other"] == [1.05]
+    s = planned_vs_seen.summary(got["template"])
+    assert s["rows"] == 2 and s["below_1"] == 1 and s["min"] == 0.9 and s["max"] == 1.2
+    assert planned_vs_seen.summary([]) == {"rows": 0}
+    out = tmp_path / "s.json"
+    planned_vs_seen.main([str(good), "--json", str(out)])
+    assert json.loads(out.read_text())["other"]["median"] == 1.05
