@@ -99,9 +99,10 @@ def possible_kinds(prompt: bool, long: bool, memory: bool) -> tuple[str, ...]:
 
 def pool_kind(counts: list[int], best: int) -> str:
     """The kind of the pool's guess ``best`` among its token's
-    continuations seen ``counts`` times: ``"pool"`` where it is the only
-    one or holds more than half of the counts, else ``"poolsplit"``."""
-    return "pool" if 2 * counts[best] > sum(counts) or len(counts) == 1 else "poolsplit"
+    continuations seen ``counts`` times (each at least once):
+    ``"pool"`` where it holds more than half of the counts (as the only
+    one does), else ``"poolsplit"``."""
+    return "pool" if 2 * counts[best] > sum(counts) else "poolsplit"
 
 
 def split_kind(kind: str) -> tuple[str, str]:

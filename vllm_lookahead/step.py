@@ -59,13 +59,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vllm_lookahead.acceptance import P_MAX, possible_kinds
+from vllm_lookahead.acceptance import possible_kinds
 from vllm_lookahead.drafting import Live, candidates, lookup, read_tree, unchecked_draft
 from vllm_lookahead.planner import (
     OFF,
     BestCase,
     RequestView,
     Shape,
+    draft_p,
     least_weight,
     sibling_rows,
     sibling_weights,
@@ -270,8 +271,7 @@ class StepDrafter:
             remaining.append(None if st.max_tokens is None
                              else st.max_tokens - (r.n_tok - st.num_prompt_tokens))
             # its typical draft: its last lookup's kind, N - 1 tokens
-            draws.append((min(st.acc.unchecked_p(st.lookup_kind) * st.acc.prior.calibration,
-                              P_MAX),
+            draws.append((draft_p(st.acc, st.lookup_kind),
                           max(1, min(st.settings.ngram_size - 1, r.room))))
         w = sibling_weights(groups, remaining, lambda k: self.planner.drain_value(batch, k),
                             lambda k: self.planner.end_value(batch, k), draws)
