@@ -1734,3 +1734,31 @@ def test_min_draft_p_caps_a_seeded_requests_draft_too():
     planner.min_draft_p = 0.3  # 0.5^2 = 0.25 below it
     assert planner.draft_cap(0.5) == 1
     assert planner.steady_draft(acc, "suffix4", 8) == 1
+
+
+def test_the_engine_learns_a_kind_that_never_pays_from_few_probes():
+    """A kind whose tokens are right 5% of the time, probed 3 times a
+    request: the engine's rate is the probes pooled, not a slow mean of
+    the requests' own (which start at the prior): near the truth after
+    24 requests (a running mean of requests' rates read 0.19 there)."""
+    import random
+    ends = []
+    for seed in range(20):
+        rng = random.Random(seed)
+        prior = AcceptancePrior(max_cands=3)
+        assert prior.p_unchecked["memory1"] == pytest.approx(0.3)
+        for _ in range(24):
+            acc = RequestAcceptance(prior)
+            for _ in range(3):
+                acc.observe_unchecked([1, 2, 3, 4],
+                                      [t if rng.random() < 0.05 else 99 for t in (1, 2, 3, 4)],
+                                      "memory1")
+        ends.append(prior.p_unchecked["memory1"])
+    assert sum(ends) / len(ends) < 0.1
+    # and a kind that pays is learnt up as fast
+    prior = AcceptancePrior(max_cands=3)
+    for _ in range(8):
+        acc = RequestAcceptance(prior)
+        for _ in range(3):
+            acc.observe_unchecked([1, 2, 3, 4], [1, 2, 3, 4], "memory1")
+    assert prior.p_unchecked["memory1"] > 0.85

@@ -30,8 +30,9 @@ Per request, running estimates of the tokens a step gains from
 * a **checked draft** (the chain a tree confirmed): per-token acceptance
   ``p_checked`` (1 with greedy decoding; lower when sampling).
 
-The engine's prior (:class:`AcceptancePrior`) is the running mean over its
-requests; new requests start from it.
+The engine's prior (:class:`AcceptancePrior`) learns from every request:
+the unchecked kinds from all requests' probes pooled, the rest as running
+means; new requests start from it.
 
 Pure Python, no vLLM.
 """
@@ -204,6 +205,10 @@ class AcceptancePrior:
                                 "memory12": p, "memory6": p * 0.9, "memory3": p * 0.7,
                                 "memory2": p * 0.65, "memory1": p * 0.6, "pool": p * 0.6,
                                 "poolsplit": p * 0.4}
+        # per kind, every request's probes pooled (accepted tokens, misses),
+        # from pseudo-counts at the assumed rates
+        w = self.UNCHECKED_WEIGHT
+        self.pooled = {k: _Rate(p * w, (1 - p) * w) for k, p in self.p_unchecked.items()}
         # per agreement class, its matches' first tokens accepted and not
         # (forgetting slowly), from pseudo-counts at the assumed factors
         # of 0.5, in the assumed mix
@@ -237,6 +242,11 @@ class AcceptancePrior:
     planned: float = 0.0
     seen: float = 0.0
     calibration: float = 1.0
+    #: Pseudo-counts (tokens) of each lookup kind's assumed rate in the
+    #: engine's pooled counts, and the forgetting of a kind's counts per
+    #: probe of that kind (:meth:`learn_unchecked`).
+    UNCHECKED_WEIGHT = 8.0
+    UNCHECKED_KEEP = 0.99
     #: Pseudo-counts of the agreement classes' assumed rates (all classes
     #: together), and the forgetting of their counts per probe.
     AGREEMENT_WEIGHT = 32.0
@@ -262,8 +272,19 @@ class AcceptancePrior:
             self.calibration = min(self.CALIBRATION_MAX,
                                    max(self.CALIBRATION_MIN, self.seen / self.planned))
 
-    def learn_unchecked(self, kind: str, p: float) -> None:
-        self.p_unchecked[kind] += self.ema * (p - self.p_unchecked[kind])
+    def learn_unchecked(self, kind: str, hits: int, missed: bool) -> None:
+        """A request's probe of ``kind`` ended: ``hits`` tokens matched,
+        then a mismatch (``missed``) or the draft's end. Every request's
+        probes are pooled per kind, forgetting ``UNCHECKED_KEEP`` per probe
+        of the kind, so the engine's rate follows the probes themselves.
+        Learnt before as a running mean of the requests' smoothed rates
+        (each starting at the prior itself), a kind whose tokens are right
+        5% of the time, probed 3 times a request, took the prior from 0.30
+        to 0.25, 0.19 and 0.15 in 8, 24 and 48 requests; pooled, to 0.11,
+        0.07 and 0.06 (means of 100 simulated runs)."""
+        rate = self.pooled[kind]
+        rate.add(hits, missed, self.UNCHECKED_KEEP)
+        self.p_unchecked[kind] = rate.p
 
     def observe_agreement(self, agree: str, first_accepted: bool) -> None:
         """A scored match of agreement class ``agree``, whose first token
@@ -426,7 +447,7 @@ class RequestAcceptance:
         self.seen += 1
         rate = self.unchecked[kind]
         rate.add(hits, missed, self.keep)
-        self.prior.learn_unchecked(kind, rate.p)
+        self.prior.learn_unchecked(kind, hits, missed)
         if kind not in GUESS_KINDS:
             self.prior.observe_agreement(agree, hits > 0)
 
