@@ -1762,3 +1762,22 @@ def test_the_engine_learns_a_kind_that_never_pays_from_few_probes():
         for _ in range(3):
             acc.observe_unchecked([1, 2, 3, 4], [1, 2, 3, 4], "memory1")
     assert prior.p_unchecked["memory1"] > 0.85
+
+
+def test_requests_running_together_learn_a_kind_together():
+    """A request reads the engine's current rate of a kind it has not
+    probed itself (the n samples of one prompt start together), and its
+    own probes outweigh the engine's as they come."""
+    prior = AcceptancePrior(max_cands=3)
+    a, b = RequestAcceptance(prior), RequestAcceptance(prior)
+    start = b.unchecked_p("memory1")
+    assert start == pytest.approx(prior.p_unchecked["memory1"])
+    for _ in range(12):
+        a.observe_unchecked([1, 2, 3], [9], "memory1")  # never right
+    assert prior.p_unchecked["memory1"] < start / 2
+    assert b.unchecked_p("memory1") == pytest.approx(prior.p_unchecked["memory1"])
+    # b's own probes, all right, outweigh the engine's rate
+    for _ in range(12):
+        b.observe_unchecked([1, 2, 3], [1, 2, 3], "memory1")
+    assert b.unchecked_p("memory1") > 0.8
+    assert a.unchecked_p("memory1") < 0.5

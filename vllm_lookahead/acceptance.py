@@ -32,7 +32,8 @@ Per request, running estimates of the tokens a step gains from
 
 The engine's prior (:class:`AcceptancePrior`) learns from every request:
 the unchecked kinds from all requests' probes pooled, the rest as running
-means; new requests start from it.
+means; new requests start from it, and a request's unchecked rates keep
+reading the engine's current ones until its own probes outweigh them.
 
 Pure Python, no vLLM.
 """
@@ -165,6 +166,37 @@ class _Rate:
     def add(self, hits: int, missed: bool, keep: float) -> None:
         self.hits = self.hits * keep + hits
         self.misses = self.misses * keep + (1 if missed else 0)
+
+
+class _RequestRate:
+    """A request's geometric rate of one lookup kind: its own (accepted,
+    rejected) counts, forgetting ``keep`` a probe, over ``w`` pseudo-counts
+    at the engine's rate for the kind *now* (``rates[kind]``, the prior's
+    live dict), ``w`` forgetting with them. So a request reads what the
+    engine learns while it runs (the n samples of one prompt learn a kind
+    together, not each from the prior of its start), until its own probes
+    outweigh it. Built with counts alone (``rates`` None), the counts'
+    rate."""
+
+    __slots__ = ("hits", "misses", "w", "rates", "kind")
+
+    def __init__(self, hits: float, misses: float, w: float = 0.0,
+                 rates: dict | None = None, kind: str = "") -> None:
+        self.hits, self.misses, self.w = hits, misses, w if rates is not None else 0.0
+        self.rates, self.kind = rates, kind
+
+    @property
+    def p(self) -> float:
+        w = self.w
+        total = self.hits + self.misses + w
+        if total <= 0:
+            return 0.0
+        return (self.hits + w * self.rates[self.kind] if w else self.hits) / total
+
+    def add(self, hits: int, missed: bool, keep: float) -> None:
+        self.hits = self.hits * keep + hits
+        self.misses = self.misses * keep + (1 if missed else 0)
+        self.w *= keep
 
 
 @dataclass
@@ -361,7 +393,8 @@ class RequestAcceptance:
         self.keep = keep
         self.relax_rate = relax
         w = prior.weight
-        self.unchecked = {k: _Rate(p * w, (1 - p) * w) for k, p in prior.p_unchecked.items()}
+        rates = prior.p_unchecked
+        self.unchecked = {k: _RequestRate(0.0, 0.0, w, rates, k) for k in rates}
         self.checked = _Rate(prior.p_checked * w, (1 - prior.p_checked) * w)
         self.tree_cands = list(prior.tree_cands)
         self.tree_window = prior.tree_window
