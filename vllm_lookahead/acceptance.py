@@ -211,7 +211,9 @@ class AcceptancePrior:
         tree_window: confirmed tokens the window's candidates added on top
             of the others (the window's marginal gain).
         weight: pseudo-count of the prior in a new request's rates.
-        ema: weight of one request's outcome in the prior.
+        ema: weight of one request's outcome in the prior's checked-draft
+            and tree estimates (the unchecked kinds are pooled instead,
+            :meth:`learn_unchecked`).
     """
 
     max_cands: int
