@@ -168,22 +168,19 @@ class _Rate:
         self.misses = self.misses * keep + (1 if missed else 0)
 
 
-class _RequestRate:
+@dataclass
+class _RequestRate(_Rate):
     """A request's geometric rate of one lookup kind: its own (accepted,
     rejected) counts, forgetting ``keep`` a probe, over ``w`` pseudo-counts
     at the engine's rate for the kind *now* (``rates[kind]``, the prior's
     live dict), ``w`` forgetting with them. So a request reads what the
     engine learns while it runs (the n samples of one prompt learn a kind
     together, not each from the prior of its start), until its own probes
-    outweigh it. Built with counts alone (``rates`` None), the counts'
-    rate."""
+    outweigh it. Built with counts alone (``w`` 0), the counts' rate."""
 
-    __slots__ = ("hits", "misses", "w", "rates", "kind")
-
-    def __init__(self, hits: float, misses: float, w: float = 0.0,
-                 rates: dict | None = None, kind: str = "") -> None:
-        self.hits, self.misses, self.w = hits, misses, w if rates is not None else 0.0
-        self.rates, self.kind = rates, kind
+    w: float = 0.0
+    rates: dict | None = None
+    kind: str = ""
 
     @property
     def p(self) -> float:
@@ -194,8 +191,7 @@ class _RequestRate:
         return (self.hits + w * self.rates[self.kind] if w else self.hits) / total
 
     def add(self, hits: int, missed: bool, keep: float) -> None:
-        self.hits = self.hits * keep + hits
-        self.misses = self.misses * keep + (1 if missed else 0)
+        super().add(hits, missed, keep)
         self.w *= keep
 
 
