@@ -62,6 +62,9 @@ def _parse(argv):
                    help="also write every step the cost model books (CostModel.observe's "
                         "arguments, with the prompt it belongs to and its step in that "
                         "prompt) to PATH as JSON, for benchmarks/step_fit.py")
+    p.add_argument("--stats", action="store_true",
+                   help="also print the proposer's step counters (get_lookahead_stats: "
+                        "quiet steps, requests left out, drafts by kind)")
     return p.parse_args(argv)
 
 
@@ -122,6 +125,12 @@ PARTS = (
     ("step", None, "_trees_pay", "_trees_pay", ()),
     ("step", None, "sibling_weights", "sibling_weights", ()),
 )
+
+
+#: The counters ``--stats`` prints (of ``get_lookahead_stats``).
+STAT_KEYS = ("decode_steps", "steps_quiet", "requests_quiet", "requests_unpaid", "drafts",
+             "draft_tokens", "accepted_tokens", "drafts_by_kind", "arm_steps",
+             "shape_steps", "acceptance_prior")
 
 
 def targets() -> list[tuple]:
@@ -277,10 +286,19 @@ def main(argv=None) -> int:
     print(f"{'part':34s} {'ms/step':>8s} {'calls':>7s} {'us/call':>9s}")
     for r in rows:
         print(f"{r['part']:34s} {r['ms_per_step']:8.3f} {r['calls']:7d} {r['us_per_call']:9.1f}")
+    stats = None
+    if args.stats:
+        from vllm_lookahead import get_lookahead_stats
+        stats = get_lookahead_stats(llm)
+        for key in STAT_KEYS:
+            if key in stats:
+                print(f"{key}: {stats[key]}")
     if args.out:
         Path(args.out).write_text(json.dumps({
             "machine": meta, "args": vars(args), "wall_s": wall, "tokens": tokens,
-            "proposer_calls": steps, "parts": rows}, indent=1))
+            "proposer_calls": steps, "parts": rows,
+            "stats": {k: stats[k] for k in STAT_KEYS if k in stats} if stats else None},
+            indent=1))
         print(f"results: {args.out}")
     return 0
 
