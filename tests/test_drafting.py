@@ -650,6 +650,79 @@ def test_requests_left_off_after_their_lookup_are_off_in_the_full_plan(monkeypat
     assert left_off > 100  # most of the weak or unweighted ones
 
 
+def test_young_requests_and_trees_left_off_after_their_lookup_are_off_in_the_full_plan(
+        monkeypatch):
+    """Young requests (checked on fewer than MATURE lookups) and trees too:
+    a request whose lookup's drafts and own trees this step cannot pay
+    with the others off is left off without the planner's search, and the
+    step's drafts and trees are the ones the planner gives with every
+    request searched (random batches, acceptance, tree estimates, room,
+    weights and ages; the two plans from copies of one planner). No
+    exploration credit: the planner gives its exploration tree to the
+    searched requests in turn, so which one explores depends on who was
+    searched."""
+    import copy
+    import random
+
+    import vllm_lookahead.step as step_mod
+    from vllm_lookahead.acceptance import LOOKUP_KINDS
+    from vllm_lookahead.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner import Planner
+    from vllm_lookahead.step import QuietBatches
+
+    rng = random.Random(11)
+    cannot_pay = step_mod._cannot_pay
+    left_off = young_off = trees_planned = 0
+    for _ in range(80):
+        rows = rng.randint(2, 10)
+        step, stats, prior, text, tokens = _planned_step(0.3, rng.choice([0.001, 0.01, 0.05]),
+                                                         rows=rows)
+        prior.calibration = rng.choice([1.0, rng.uniform(0.3, 1.5)])
+        flat = CostCurve.flat(0.05, rng.choice([0.001, 0.01, 0.05]))
+        row = (rng.uniform(0, 0.004), rng.uniform(0, 0.002), 0.0, rng.uniform(0, 0.02))
+        step.planner = Planner(CostModel(CostCurve(flat.points, {"sampled": {1: row},
+                                                                "greedy": {1: row}})))
+        step.planner.planned_s = 0.0  # no exploration credit
+        live = []
+        for i in range(rows):
+            st = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
+                           tokens[i], len(text), len(text), None, False, 0, prior)
+            st.acc.seen = rng.choice([0, QuietBatches.MATURE - 1, QuietBatches.MATURE])
+            st.acc.tree_runs = rng.choice([0, 1])
+            p = rng.random()
+            for kind in LOOKUP_KINDS:
+                st.acc.unchecked[kind].hits, st.acc.unchecked[kind].misses = 100 * p, 100 * (1 - p)
+            good = rng.choice([0.0, 0.3, 1.5])
+            st.acc.tree_cands = [good * rng.random(), good * rng.random()]
+            st.acc.tree_window = good * rng.random()
+            live.append(Live(i, st, len(text), rng.randint(0, 3), []))
+        for r in live:
+            step.quiet._bound(r, 3, True)
+        weights = [rng.uniform(0.0, 2.0) for _ in live]
+        full_step, full_live = copy.deepcopy((step, live))
+        drafts = [[] for _ in range(rows)]
+        with monkeypatch.context() as m:
+            def counted(planner, r, *args, **kw):
+                nonlocal young_off
+                off = cannot_pay(planner, r, *args, **kw)
+                young_off += off and r.state.acc.seen < QuietBatches.MATURE
+                return off
+
+            m.setattr(step_mod, "_cannot_pay", counted)
+            trees, _ = step._plan(live, drafts, tokens, weights=weights)
+        left_off += stats.requests_unpaid
+        full = [[] for _ in range(rows)]
+        with monkeypatch.context() as m:
+            m.setattr(step_mod, "_cannot_pay", lambda *args, **kw: False)
+            full_trees, _ = full_step._plan(full_live, full, tokens, weights=weights)
+            assert full_step.stats.requests_unpaid == 0
+        assert drafts == full
+        assert [(t[0].i, t[1], t[2]) for t in trees] == [(t[0].i, t[1], t[2])
+                                                          for t in full_trees]
+        trees_planned += len(trees)
+    assert left_off > 100 and young_off > 50 and trees_planned > 20
+
+
 def test_planner_counts_requests_left_out_as_off():
     from vllm_lookahead.acceptance import RequestAcceptance
     from vllm_lookahead.cost_model import CostCurve, CostModel

@@ -125,6 +125,9 @@ class RequestView:
             request's trees (False: its bound says none of them pays this
             step, every other request off: ``step._trees_pay``; a tree may
             still be given to it to explore, :meth:`Planner._explore`).
+        own_trees: whether one of its own trees this step could pay, every
+            other request off (:meth:`Planner.own_tree_pay_weight`, where
+            ``step._cannot_pay`` weighed them; None: not weighed).
     """
 
     acc: RequestAcceptance
@@ -144,6 +147,7 @@ class RequestView:
     kinds: tuple[str, ...] | None = None
     switch: float = 0.0
     search_trees: bool = True
+    own_trees: bool | None = None
 
     def draft_p(self, tree: bool = False) -> float:
         """Per-token acceptance of the draft this request hands the
@@ -383,6 +387,13 @@ def _tree_table(ngram_size: int, window_size: int, g_max: int) -> tuple:
     options = _tree_options(ngram_size, window_size, g_max)
     cols = max(window_size, 1)
     return options, tuple((g, window_root(w / cols)) for w, g, _ in options)
+
+
+@lru_cache(maxsize=256)
+def least_tree_nodes(ngram_size: int, window_size: int, g_max: int) -> int | None:
+    """The fewest nodes of a tree of :func:`_tree_options` (None: none)."""
+    return min((nodes for _, _, nodes in _tree_options(ngram_size, window_size, g_max)),
+               default=None)
 
 
 @lru_cache(maxsize=256)
@@ -717,6 +728,50 @@ class Planner:
         drafts = _least_weight((geometric_gain(best.p_unchecked, k), cost) for k, cost in costs)
         return drafts, self.tree_pay_weight(batch, best.trees)
 
+    def own_tree_pay_weight(self, v: "RequestView", batch: int) -> float:
+        """The least weight at which one of request ``v``'s own trees this
+        step pays in a ``batch``-request step, the others off: the shapes
+        :meth:`shapes` weighs (this step's candidates, its own tree
+        estimates and checked acceptance), their gain without the catch-up
+        discount and their cost without the verification (both bounds, as
+        :meth:`tree_pay_weight`'s), so where it says none pays the search
+        would not pick one either (inf: none pays at any weight)."""
+        if batch <= 0 or v.room <= 0 or not v.trees or v.guess_set_size < 0:
+            return math.inf
+        n = v.ngram_size
+        self._fresh_costs()
+        key = ("trees", batch, n, v.window_size, v.guess_set_size)
+        costs = self._costs.get(key)
+        if costs is None:
+            table, roots = _tree_table(n, v.window_size, v.guess_set_size)
+            predict = self.cost.predict
+            c0 = predict(batch, 1.0, tree=False)
+            lam = batch / c0  # the all-off plan's tokens per second
+            costs = self._costs[key] = (roots, tuple(
+                lam * (predict(batch, (batch + nodes) / batch, tree=True, drafting=1) - c0)
+                + 1e-12 for _, _, nodes in table))
+        roots, prices = costs
+        cap, checked = n - 1, v.acc.checked.p
+        return _least_weight(((m if m < cap else cap) * checked, cost)
+                             for m, cost in zip(v.acc.tree_gains(roots), prices))
+
+    def draft_pay_weight(self, batch: int, p: float, max_draft: int, sampled: bool,
+                         alone: bool = False) -> float:
+        """:meth:`pay_weights`' drafts part for a request whose lookup
+        drafts at most ``max_draft`` (> 0) tokens at per-token acceptance
+        ``p``: kept with :meth:`_draft_costs` (until the cost model's
+        correction moves), so the requests of a step that ask the same
+        question (``_cannot_pay``: the kind's rate rounded to a hundredth)
+        pay for it once."""
+        self._fresh_costs()
+        key = ("pay", batch, p, max_draft, sampled, alone, self.lazy_verify)
+        got = self._costs.get(key)
+        if got is None:
+            costs = self._draft_costs(batch, max_draft, sampled, alone)
+            got = self._costs[key] = _least_weight(
+                (geometric_gain(p, k), cost) for k, cost in costs)
+        return got
+
     def tree_pay_weight(self, batch: int, trees: dict) -> float:
         """:meth:`pay_weights`' trees part: the least weight at which one of
         ``trees`` (:attr:`BestCase.trees`) pays in a ``batch``-request step,
@@ -730,6 +785,14 @@ class Planner:
                                             drafting=1) - c0) + 1e-12)
             for gain, nodes in trees.values())
 
+    def _fresh_costs(self) -> None:
+        """Empty the kept prices (:meth:`_draft_costs`,
+        :meth:`draft_pay_weight`, :meth:`own_tree_pay_weight`) where the cost model's correction moved
+        since, or they grew past 1024."""
+        gen = getattr(self.cost, "generation", 0)
+        if self._costs_gen != gen or len(self._costs) >= 1024:
+            self._costs, self._costs_gen = {}, gen
+
     def _draft_costs(self, batch: int, max_draft: int, sampled: bool,
                      alone: bool) -> tuple:
         """:meth:`pay_weights`' prices, in tokens of the plain step, of the
@@ -738,9 +801,7 @@ class Planner:
         model's correction moves (``CostModel.generation``), so kept
         (``_cannot_pay`` weighs each request's own acceptance, a new
         rate most steps, against them)."""
-        gen = getattr(self.cost, "generation", 0)
-        if self._costs_gen != gen or len(self._costs) >= 1024:
-            self._costs, self._costs_gen = {}, gen
+        self._fresh_costs()
         key = (batch, max_draft, sampled, alone, self.lazy_verify)
         got = self._costs.get(key)
         if got is not None:

@@ -67,6 +67,7 @@ from vllm_lookahead.planner import (
     RequestView,
     Shape,
     draft_p,
+    least_tree_nodes,
     least_weight,
     sibling_rows,
     sibling_weights,
@@ -610,37 +611,62 @@ def _pays(planner, cache: dict, batch: int, best: BestCase, weight: float,
 
 def _cannot_pay(planner, r: Live, view: RequestView, batch: int, alone: bool = False) -> bool:
     """Whether request ``r`` (its lookup done, ``view`` as the planner sees
-    it) can be left off this step without the planner's search: mature, not
+    it) can be left off this step without the planner's search: not
     seeded, no checked chain, no exploration tree due, and no draft of its
     lookup (at its kind's acceptance rounded up to a hundredth, its gain
     scaled by the engine's calibration as the planner scales it) nor tree
-    of its quiet bound (``QuietBatches``) would pay at its weight in a
-    ``batch``-request step with the others off (:meth:`Planner.pay_weights`,
-    cached with the bound; ``alone``: the draft paying the step's switch,
-    as the only drafting request of the step does)."""
+    would pay at its weight in a ``batch``-request step with the others
+    off (``alone``: the draft paying the step's switch, as the only
+    drafting request of the step does). The drafts' least paying weights
+    are the planner's (:meth:`Planner.draft_pay_weight`); its trees are
+    weighed as the planner weighs them this step
+    (:meth:`Planner.own_tree_pay_weight`), where a mature request's quiet
+    bound (``QuietBatches``, its least paying weight kept with it) does not
+    already say none pays. Its lookup is scored whatever the answer, so a
+    young request learns as fast left off as searched."""
     st, acc = r.state, r.state.acc
-    if view.fixed is not None or r.chain or acc.seen < QuietBatches.MATURE:
+    if view.fixed is not None or r.chain:
         return False
     if r.room <= 0:
         return True
+    mature = acc.seen >= QuietBatches.MATURE
     trees = {}
     if view.trees:
-        if st.quiet_best is None:
-            return False
-        trees = st.quiet_best.trees
-        if trees and planner.explore_due(acc) \
-                and planner.may_explore(batch, min(nodes for _, nodes in trees.values())):
+        if mature:
+            if st.quiet_best is None:
+                return False
+            trees = st.quiet_best.trees
+            least = min((nodes for _, nodes in trees.values()), default=None)
+        else:  # its estimates move too fast for a bound taken earlier
+            least = least_tree_nodes(view.ngram_size, view.window_size, view.guess_set_size)
+        if least is not None and planner.explore_due(acc) and planner.may_explore(batch, least):
             return False  # it may get an exploration tree
     k = min(view.unchecked, r.room)
-    if k <= 0 and not trees:
+    if k <= 0 and not trees and (mature or not view.trees):
         return True
-    # the kind's rate rounded up to a hundredth (a bounded cache)
-    p = math.ceil(acc.unchecked_p(view.lookup_kind) * 100.0) / 100.0 if k > 0 else 0.0
-    return not _pays(planner, st.quiet_pays, batch,
-                     BestCase(p_unchecked=p, max_draft=max(k, 1), trees=trees,
-                              sampled=st.sampled),
-                     view.weight, acc.prior.calibration, key=(batch, p, k, bool(trees)),
-                     alone=alone)
+    weight = max(view.weight, 0.0)
+    if k > 0:
+        # the kind's rate rounded up to a hundredth (the planner keeps the
+        # answers for every request)
+        p = math.ceil(acc.unchecked_p(view.lookup_kind) * 100.0) / 100.0
+        if weight > least_weight((planner.draft_pay_weight(batch, p, k, st.sampled, alone),
+                                  math.inf), acc.prior.calibration):
+            return False
+    if not view.trees:
+        return True
+    if mature:
+        if not trees:
+            return True
+        key = ("trees", batch)
+        tree = st.quiet_pays.get(key)
+        if tree is None:
+            tree = st.quiet_pays[key] = planner.tree_pay_weight(batch, trees)
+        if not weight > tree:
+            return True
+    # its own trees this step decide (the planner's search then leaves them
+    # out where none pays: _trees_pay)
+    view.own_trees = weight > planner.own_tree_pay_weight(view, batch)
+    return not view.own_trees
 
 
 def _trees_pay(planner, r: Live, view: RequestView, batch: int) -> bool:
@@ -651,6 +677,8 @@ def _trees_pay(planner, r: Live, view: RequestView, batch: int) -> bool:
     seeded or new request, one without a bound, one whose last tree left
     it a checked chain (its tree run goes on while it pays)."""
     st = r.state
+    if view.own_trees is not None:  # _cannot_pay weighed its own trees
+        return view.own_trees
     if (not view.trees or view.fixed is not None or r.chain
             or st.acc.seen < QuietBatches.MATURE or st.quiet_best is None
             or not st.quiet_best.trees):
