@@ -571,6 +571,20 @@ def test_votes_skip_places_of_other_keys_on_a_shared_slot(monkeypatch):
     assert mem.lookup(0, None, key, len(key), 2) == ([7, 8], 12)
 
 
+def test_a_lookup_asked_for_longer_keys_skips_the_shorter_ones():
+    """``longer_than``: the keys no longer than the caller's own match are
+    not looked up (the request's own text wins those)."""
+    key = _toks(*range(500, 512))
+    mem = SharedMemory(4096, delay=2)
+    _after(mem, key, [(7, 8)])
+    _after(mem, _toks(900, 901, 510, 511), [(3, 4)])  # a shorter key elsewhere
+    assert mem.lookup_vote(0, None, key, len(key), 2, longer_than=6) == ([7, 8], 12, "")
+    assert mem.lookup_vote(0, None, key, len(key), 2, longer_than=12) == ([], 0, "")
+    tail = _toks(1, 2, 510, 511)
+    assert mem.lookup_vote(0, None, tail, 4, 2)[1] == 2
+    assert mem.lookup_vote(0, None, tail, 4, 2, longer_than=2) == ([], 0, "")
+
+
 def test_a_lookup_says_how_the_places_agreed_and_its_kind_carries_it():
     key = _toks(*range(500, 512))
     mem = SharedMemory(4096, delay=2)

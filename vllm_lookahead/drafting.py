@@ -161,7 +161,8 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
             draft = draft[:max(n, matched)]
     state.lookup_kind = f"{match_kind('suffix', matched)}{agree}" if draft else "pool"
     if memory is not None and state.memory_reads:
-        mem, m, agree = memory.lookup_vote(state.memory_scope, state.memory_doc, tokens, n_tok, k)
+        mem, m, agree = memory.lookup_vote(state.memory_scope, state.memory_doc, tokens, n_tok, k,
+                                           longer_than=matched)
         if mem and m > matched:
             if long:
                 mem = mem[:max(n, m)]

@@ -311,13 +311,15 @@ class SharedMemory:
         return cont, m
 
     def lookup_vote(self, scope: int, own: int | None, text: np.ndarray, n: int,
-                    k: int) -> tuple[list[int], int, str]:
+                    k: int, longer_than: int = 0) -> tuple[list[int], int, str]:
         """What followed the longest key (:data:`KEY_LENS`) of
         ``text[:n]``'s suffix in the other documents of ``scope``: at most
         ``k`` tokens, the key's length, and the places'
         :func:`~vllm_lookahead.state.agreement` on its first token;
         ``([], 0, "")`` for none.
         ``own``: the asking request's document (never answered from).
+        ``longer_than``: only keys longer than this are looked up (the
+        caller has a match that long already).
 
         The newest :data:`MAX_PLACES` places of the key vote, token by
         token, as a suffix tree's counts do: each next token is the one most
@@ -329,6 +331,8 @@ class SharedMemory:
             return [], 0, ""
         mask = self._mask
         for t, m in enumerate(KEY_LENS):
+            if m <= longer_than:
+                break  # the keys are longest first
             if n < m:
                 continue
             key = text[n - m: n].tolist()
