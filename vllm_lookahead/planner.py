@@ -736,7 +736,7 @@ class Planner:
         discount and their cost without the verification (both bounds, as
         :meth:`tree_pay_weight`'s), so where it says none pays the search
         would not pick one either (inf: none pays at any weight)."""
-        if batch <= 0 or v.room <= 0 or not v.trees or v.guess_set_size < 0:
+        if batch <= 0 or v.room <= 0 or not v.trees:
             return math.inf
         n = v.ngram_size
         self._fresh_costs()
@@ -787,8 +787,8 @@ class Planner:
 
     def _fresh_costs(self) -> None:
         """Empty the kept prices (:meth:`_draft_costs`,
-        :meth:`draft_pay_weight`, :meth:`own_tree_pay_weight`) where the cost model's correction moved
-        since, or they grew past 1024."""
+        :meth:`draft_pay_weight`, :meth:`own_tree_pay_weight`) where the
+        cost model's correction moved since, or they grew past 1024."""
         gen = getattr(self.cost, "generation", 0)
         if self._costs_gen != gen or len(self._costs) >= 1024:
             self._costs, self._costs_gen = {}, gen
