@@ -724,9 +724,9 @@ class Planner:
         drafting request (the bound of a request whatever the others do)."""
         if batch <= 0 or best.max_draft <= 0:
             return math.inf, math.inf
-        costs = self._draft_costs(batch, best.max_draft, best.sampled, alone)
-        drafts = _least_weight((geometric_gain(best.p_unchecked, k), cost) for k, cost in costs)
-        return drafts, self.tree_pay_weight(batch, best.trees)
+        return (self.draft_pay_weight(batch, best.p_unchecked, best.max_draft, best.sampled,
+                                      alone),
+                self.tree_pay_weight(batch, best.trees))
 
     def own_tree_pay_weight(self, v: "RequestView", batch: int) -> float:
         """The least weight at which one of request ``v``'s own trees this
@@ -744,12 +744,8 @@ class Planner:
         costs = self._costs.get(key)
         if costs is None:
             table, roots = _tree_table(n, v.window_size, v.guess_set_size)
-            predict = self.cost.predict
-            c0 = predict(batch, 1.0, tree=False)
-            lam = batch / c0  # the all-off plan's tokens per second
-            costs = self._costs[key] = (roots, tuple(
-                lam * (predict(batch, (batch + nodes) / batch, tree=True, drafting=1) - c0)
-                + 1e-12 for _, _, nodes in table))
+            costs = self._costs[key] = (
+                roots, self._tree_prices(batch, [nodes for _, _, nodes in table]))
         roots, prices = costs
         cap, checked = n - 1, v.acc.checked.p
         return _least_weight(((m if m < cap else cap) * checked, cost)
@@ -778,12 +774,18 @@ class Planner:
         the others off (no verification under a tree, no switch)."""
         if batch <= 0 or not trees:
             return math.inf
-        c0 = self.cost.predict(batch, 1.0, tree=False)
+        gains, nodes = zip(*trees.values())
+        return _least_weight(zip(gains, self._tree_prices(batch, nodes)))
+
+    def _tree_prices(self, batch: int, nodes) -> tuple[float, ...]:
+        """What a tree of each of ``nodes`` nodes costs beyond a plain
+        ``batch``-request step, the others off, in tokens of the plain step
+        (no verification under a tree, no switch)."""
+        predict = self.cost.predict
+        c0 = predict(batch, 1.0, tree=False)
         lam = batch / c0  # the all-off plan's tokens per second
-        return _least_weight(
-            (gain, lam * (self.cost.predict(batch, (batch + nodes) / batch, tree=True,
-                                            drafting=1) - c0) + 1e-12)
-            for gain, nodes in trees.values())
+        return tuple(lam * (predict(batch, (batch + x) / batch, tree=True, drafting=1) - c0)
+                     + 1e-12 for x in nodes)
 
     def _fresh_costs(self) -> None:
         """Empty the kept prices (:meth:`_draft_costs`,

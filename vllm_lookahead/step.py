@@ -596,13 +596,13 @@ class QuietBatches:
 
 
 def _pays(planner, cache: dict, batch: int, best: BestCase, weight: float,
-          calibration: float = 1.0, key=None, alone: bool = False) -> bool:
+          calibration: float = 1.0, alone: bool = False) -> bool:
     """:meth:`Planner.any_pays` for ``best`` at ``weight`` and the engine's
     ``calibration`` (``alone``: a draft pays the step's switch too,
     :meth:`Planner.pay_weights`); the bound's least paying weights (which
-    the calibration does not move) kept in ``cache`` under ``key`` (None:
-    the batch size) and ``alone`` until the bound is taken again."""
-    key = (batch if key is None else key, alone)
+    the calibration does not move) kept in ``cache`` under the batch size
+    and ``alone`` until the bound is taken again."""
+    key = (batch, alone)
     pair = cache.get(key)
     if pair is None:
         pair = cache[key] = planner.pay_weights(batch, best, alone)
@@ -654,15 +654,8 @@ def _cannot_pay(planner, r: Live, view: RequestView, batch: int, alone: bool = F
             return False
     if not view.trees:
         return True
-    if mature:
-        if not trees:
-            return True
-        key = ("trees", batch)
-        tree = st.quiet_pays.get(key)
-        if tree is None:
-            tree = st.quiet_pays[key] = planner.tree_pay_weight(batch, trees)
-        if not weight > tree:
-            return True
+    if mature and not (trees and weight > _bound_tree_weight(planner, st, batch)):
+        return True
     # its own trees this step decide (the planner's search then leaves them
     # out where none pays: _trees_pay)
     view.own_trees = weight > planner.own_tree_pay_weight(view, batch)
@@ -683,11 +676,18 @@ def _trees_pay(planner, r: Live, view: RequestView, batch: int) -> bool:
             or st.acc.seen < QuietBatches.MATURE or st.quiet_best is None
             or not st.quiet_best.trees):
         return True
+    return max(view.weight, 0.0) > _bound_tree_weight(planner, st, batch)
+
+
+def _bound_tree_weight(planner, st, batch: int) -> float:
+    """The least weight at which a tree of request state ``st``'s quiet
+    bound pays in a ``batch``-request step, the others off
+    (:meth:`Planner.tree_pay_weight`), kept with the bound."""
     key = ("trees", batch)
     least = st.quiet_pays.get(key)
     if least is None:
         least = st.quiet_pays[key] = planner.tree_pay_weight(batch, st.quiet_best.trees)
-    return max(view.weight, 0.0) > least
+    return least
 
 
 def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
