@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from vllm_lookahead.cost_model import machine_busy_s
+from vllm_lookahead.planner.cost_model import machine_busy_s
 
 from figures import combine_passes, section_figures
 from prompts import _load_prompts, _warmup_prompts

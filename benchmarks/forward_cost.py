@@ -3,7 +3,7 @@
 Lookahead adds query tokens to a step (a draft, a tree: up to (N-1)(W+G) per
 request), so what pays depends on what a query token costs on the machine
 at hand. This script starts a lookahead engine with ``cost_model="measure"``
--- the very code the engine runs at start-up (``vllm_lookahead.warmup``):
+-- the very code the engine runs at start-up (``vllm_lookahead.branch.warmup``):
 B requests with T query tokens each over 256 cached tokens, through the
 model's real layers and its paged KV cache -- and prints the curve relative
 to one token, per batch size.
@@ -49,9 +49,9 @@ def measure(model: str, dtype: str) -> dict:
 def main(argv=None) -> int:
     args = _parse(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm_lookahead import warmup
+    import vllm_lookahead.branch.warmup as warmup
     from vllm_lookahead.tools import MODELS
-    from vllm_lookahead.cost_model import hardware_id
+    from vllm_lookahead.planner.cost_model import hardware_id
 
     if args.budget is not None:
         warmup.BUDGET_S = args.budget

@@ -49,9 +49,9 @@ if str(REPO) not in sys.path:  # run from a checkout, the package not installed
 
 from vllm_lookahead.attn_mask import build_tree  # noqa: E402
 from vllm_lookahead.config import LookaheadConfig  # noqa: E402
-from vllm_lookahead.kv_layout import gather_sequence, probe_page_layout  # noqa: E402
-from vllm_lookahead.machine import hardware_id  # noqa: E402
-from vllm_lookahead.tree_attention import tree_attention  # noqa: E402
+from vllm_lookahead.branch.kv_layout import gather_sequence, probe_page_layout  # noqa: E402
+from vllm_lookahead.planner.machine import hardware_id  # noqa: E402
+from vllm_lookahead.branch.tree_attention import tree_attention  # noqa: E402
 
 #: vLLM 0.32's ``KVCacheLayout`` (vllm/v1/kv_cache_layout.py): the physical
 #: order, outermost first, of the logical ``[L, B, H, N, C]`` axes.

@@ -105,25 +105,25 @@ class Timers:
 PARTS = (
     ("proposer", "LookaheadProposer", "propose_for_runner", "proposer (all)", ()),
     ("proposer", "StepTimer", "book", "StepTimer.book", ()),
-    ("step", "StepDrafter", "run", "step.run", ()),
-    ("step", "StepDrafter", "_step_weights", "samples' weights (held or taken)", ()),
-    ("step", "StepDrafter", "_weights", "samples' weights taken", ()),
-    ("step", "StepDrafter", "_plan", "_plan", ()),
-    ("step", "StepDrafter", "_fused_plan", "_fused_plan", ()),
-    ("step", "QuietBatches", "keep", "QuietBatches.keep", ()),
-    ("planner", "Planner", "plan", "Planner.plan", ()),
-    ("memory", "SharedMemory", "extend", "SharedMemory.extend", ()),
-    ("memory", "SharedMemory", "lookup_vote", "SharedMemory.lookup_vote", ()),
-    ("state", "RequestState", "add_context_ngrams", "add_context_ngrams", ()),
-    ("state", "TextIndex", "vote", "TextIndex.vote", ()),
-    ("drafting", None, "account", "account", ("proposer",)),
-    ("drafting", None, "harvest", "harvest", ("proposer",)),
-    ("drafting", None, "lookup", "lookup", ("step",)),
-    ("drafting", None, "unchecked_draft", "unchecked_draft", ("step",)),
-    ("step", None, "_request_view", "_request_view", ()),
-    ("step", None, "_cannot_pay", "_cannot_pay", ()),
-    ("step", None, "_trees_pay", "_trees_pay", ()),
-    ("step", None, "sibling_weights", "sibling_weights", ()),
+    ("planner.step", "StepDrafter", "run", "step.run", ()),
+    ("planner.step", "StepDrafter", "_step_weights", "samples' weights (held or taken)", ()),
+    ("planner.step", "StepDrafter", "_weights", "samples' weights taken", ()),
+    ("planner.step", "StepDrafter", "_plan", "_plan", ()),
+    ("planner.step", "StepDrafter", "_fused_plan", "_fused_plan", ()),
+    ("planner.step", "QuietBatches", "keep", "QuietBatches.keep", ()),
+    ("planner.planner", "Planner", "plan", "Planner.plan", ()),
+    ("algo.memory", "SharedMemory", "extend", "SharedMemory.extend", ()),
+    ("algo.memory", "SharedMemory", "lookup_vote", "SharedMemory.lookup_vote", ()),
+    ("algo.state", "RequestState", "add_context_ngrams", "add_context_ngrams", ()),
+    ("algo.state", "TextIndex", "vote", "TextIndex.vote", ()),
+    ("algo.drafting", None, "account", "account", ("proposer",)),
+    ("algo.drafting", None, "harvest", "harvest", ("proposer",)),
+    ("algo.drafting", None, "lookup", "lookup", ("planner.step",)),
+    ("algo.drafting", None, "unchecked_draft", "unchecked_draft", ("planner.step",)),
+    ("planner.step", None, "_request_view", "_request_view", ()),
+    ("planner.step", None, "_cannot_pay", "_cannot_pay", ()),
+    ("planner.step", None, "_trees_pay", "_trees_pay", ()),
+    ("planner.step", None, "sibling_weights", "sibling_weights", ()),
 )
 
 
@@ -169,7 +169,7 @@ class Recorder:
         self.calls: list[tuple[bytes, tuple, tuple]] = []
 
     def install(self) -> None:
-        from vllm_lookahead import planner as planner_mod
+        import vllm_lookahead.planner.planner as planner_mod
         plan, calls, counters = planner_mod.Planner.plan, self.calls, self.PLAN_COUNTERS
 
         @functools.wraps(plan)
@@ -203,7 +203,7 @@ class StepLog:
         self._since = 0
 
     def install(self) -> None:
-        from vllm_lookahead import cost_model
+        import vllm_lookahead.planner.cost_model as cost_model
         observe, rows, log = cost_model.CostModel.observe, self.rows, self
 
         @functools.wraps(observe)

@@ -22,7 +22,7 @@ more than the drafts' quality differs. This script takes the clock out:
 
 Methods:
 
-* ``lookahead``: :func:`vllm_lookahead.drafting.lookup`, the unchecked
+* ``lookahead``: :func:`vllm_lookahead.algo.drafting.lookup`, the unchecked
   lookup the planner drafts from (the request's own text: prompt lookup of
   2-4 tokens and the n-gram pool; the engine's shared memory: keys of 12, 6,
   3 and 2 tokens in other requests' text, newest place first), its own
@@ -148,13 +148,13 @@ def sample_outputs(args) -> dict:
 # -- the drafters ---------------------------------------------------------------
 class LookaheadDrafter:
     """Lookahead's unchecked lookup for every sample (its own
-    :class:`~vllm_lookahead.state.RequestState`), with or without the
+    :class:`~vllm_lookahead.algo.state.RequestState`), with or without the
     engine's shared memory."""
 
     def __init__(self, shared_memory: bool = True, lookup_len: int = 0) -> None:
-        from vllm_lookahead.acceptance import AcceptancePrior
+        from vllm_lookahead.planner.acceptance import AcceptancePrior
         from vllm_lookahead.config import LookaheadConfig, RequestSettings
-        from vllm_lookahead.memory import SharedMemory
+        from vllm_lookahead.algo.memory import SharedMemory
 
         self.settings = RequestSettings(lookup_len=lookup_len)
         self.k = max(self.settings.ngram_size, lookup_len)
@@ -165,7 +165,7 @@ class LookaheadDrafter:
         self.states: dict[str, object] = {}
 
     def start(self, rid: str, prompt: list[int]) -> None:
-        from vllm_lookahead.drafting import new_state
+        from vllm_lookahead.algo.drafting import new_state
 
         toks = np.asarray(prompt, dtype=np.int64)
         st = new_state(self.settings, toks, len(toks), len(toks), None, False, 0, self.prior)
@@ -180,7 +180,7 @@ class LookaheadDrafter:
             self.memory.extend(st.memory_doc, [token])
 
     def draft(self, rid: str, text: list[int]) -> list[int]:
-        from vllm_lookahead.drafting import lookup
+        from vllm_lookahead.algo.drafting import lookup
 
         st = self.states[rid]
         toks = np.asarray(text, dtype=np.int64)

@@ -17,7 +17,7 @@ from typing import Any
 
 # CPU seconds all processes have spent busy (/proc/stat): the same figure the
 # plugin's cost measurement checks other load with.
-from vllm_lookahead.cost_model import machine_busy_s
+from vllm_lookahead.planner.cost_model import machine_busy_s
 
 from figures import ARMS, NOISY_OTHER_LOAD, SOURCES, _group_key, noisy_rows
 from plot import render_plot

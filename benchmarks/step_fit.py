@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_lookahead.cost_model import bucket_of
-from vllm_lookahead.fit import plane_features
+from vllm_lookahead.planner.cost_model import bucket_of
+from vllm_lookahead.planner.fit import plane_features
 
 
 def features(row: dict, bucket: int) -> tuple[float, float, float]:

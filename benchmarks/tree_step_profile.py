@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     from vllm.inputs import TokensPrompt
 
     from vllm_lookahead.tools import chat_prompts, load_humaneval, load_mtbench, prepare_smollm2
-    from vllm_lookahead.cost_model import hardware_id
+    from vllm_lookahead.planner.cost_model import hardware_id
 
     model = str(prepare_smollm2())
     tok = AutoTokenizer.from_pretrained(model)

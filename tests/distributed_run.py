@@ -33,7 +33,7 @@ def main(model: str, spec_text: str, tp: int, backend: str, out_path: str) -> No
         os.environ["LOOKAHEAD_RAY_ON_CPU"] = "1"
         import ray
 
-        from vllm_lookahead.ray_cpu import RAY_CPU_RESOURCE
+        from vllm_lookahead.cpu.ray import RAY_CPU_RESOURCE
 
         ctx = ray.init(num_cpus=tp, resources={RAY_CPU_RESOURCE: tp}, include_dashboard=False)
         # vLLM's engine core runs in its own process: point it at this

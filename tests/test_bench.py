@@ -1212,9 +1212,9 @@ def _recorded_plans(tmp_path, monkeypatch):
     import random
 
     import proposer_profile
-    from vllm_lookahead import planner as planner_mod
-    from vllm_lookahead.acceptance import AcceptancePrior, RequestAcceptance
-    from vllm_lookahead.cost_model import CostCurve, CostModel
+    import vllm_lookahead.planner.planner as planner_mod
+    from vllm_lookahead.planner.acceptance import AcceptancePrior, RequestAcceptance
+    from vllm_lookahead.planner.cost_model import CostCurve, CostModel
 
     monkeypatch.setattr(planner_mod.Planner, "plan", planner_mod.Planner.plan)  # restored after
     recorder = proposer_profile.Recorder()
@@ -1257,7 +1257,7 @@ def test_planner_replay_gets_the_recorded_answers(tmp_path, monkeypatch, capsys)
 def test_planner_replay_finds_a_changed_plan(tmp_path, monkeypatch, capsys):
     """A planner that answers otherwise is caught (the check can fail)."""
     import planner_replay
-    from vllm_lookahead import planner as planner_mod
+    import vllm_lookahead.planner.planner as planner_mod
 
     path = _recorded_plans(tmp_path, monkeypatch)
     plan = planner_mod.Planner.plan

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_lookahead.cpu_sampling import TopPCounts, recovered_inv_q, top_k_top_p_rows
+from vllm_lookahead.cpu.sampling import TopPCounts, recovered_inv_q, top_k_top_p_rows
 
 VOCAB = 49152
 
@@ -207,7 +207,7 @@ def vllm_rejection(target, drafts, nd, bonus, is_greedy, kk, pp, gens, max_spec)
 
 
 def lazy_rejection(target, drafts, nd, bonus, is_greedy, kk, pp, gens, max_spec, counts=None):
-    from vllm_lookahead.cpu_sampling import verify_sampled_rows
+    from vllm_lookahead.cpu.sampling import verify_sampled_rows
 
     _, _, out, uniform = _greedy_rows(target, drafts, nd, bonus, is_greedy, gens, max_spec)
     verify_sampled_rows(out, drafts, nd, target.clone(), kk, pp, bonus, uniform, is_greedy,
@@ -364,7 +364,7 @@ def test_margin_covers_vllms_rounding():
     softmax, the cumulative sum over the sorted row) put the mass above
     each of the row's largest tokens, against this module's float64 sums
     over the window; kept well inside the margin."""
-    from vllm_lookahead.cpu_sampling import MARGIN, WINDOW
+    from vllm_lookahead.cpu.sampling import MARGIN, WINDOW
 
     worst = 0.0
     for bf16 in (False, True):

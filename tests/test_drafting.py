@@ -1,5 +1,5 @@
-"""Unit tests of per-request drafting (vllm_lookahead.drafting), the one tree
-builder (vllm_lookahead.trees) and one step's drafts (vllm_lookahead.step),
+"""Unit tests of per-request drafting (vllm_lookahead.algo.drafting), the one tree
+builder (vllm_lookahead.algo.trees) and one step's drafts (vllm_lookahead.planner.step),
 without an engine."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_lookahead.acceptance import AcceptancePrior, pool_kind
+from vllm_lookahead.planner.acceptance import AcceptancePrior, pool_kind
 from vllm_lookahead.attn_mask import build_tree, fill_tree_tokens, tree_size
 from vllm_lookahead.config import LookaheadConfig, RequestSettings
-from vllm_lookahead.drafting import (
+from vllm_lookahead.algo.drafting import (
     Live,
     account,
     best_confirmed,
@@ -21,7 +21,7 @@ from vllm_lookahead.drafting import (
     new_state,
     unchecked_draft,
 )
-from vllm_lookahead.state import (
+from vllm_lookahead.algo.state import (
     SOURCE_MEMORY,
     SOURCE_MODEL,
     SOURCE_PROMPT,
@@ -29,8 +29,8 @@ from vllm_lookahead.state import (
     JacobiWindow,
 )
 from vllm_lookahead.stats import LookaheadStats
-from vllm_lookahead.step import StepDrafter
-from vllm_lookahead.trees import PlannedTree, TreeAsk, plan_trees
+from vllm_lookahead.planner.step import StepDrafter
+from vllm_lookahead.algo.trees import PlannedTree, TreeAsk, plan_trees
 
 
 def _state(n=4, w=3, g=3, prompt=(1, 2, 3, 4, 5), max_tokens=None):
@@ -465,9 +465,9 @@ def test_quiet_batch_skips_mature_requests_and_keeps_young_ones():
     """A machine where nothing can pay: once a request's acceptance has
     been checked on MATURE lookups, quiet steps leave it out (no lookup, no
     planning); a request that has not is still planned every step."""
-    from vllm_lookahead.cost_model import CostCurve, CostModel
-    from vllm_lookahead.planner import Planner
-    from vllm_lookahead.step import QuietBatches
+    from vllm_lookahead.planner.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner.planner import Planner
+    from vllm_lookahead.planner.step import QuietBatches
 
     cfg = LookaheadConfig(ngram_size=3, window_size=2, guess_set_size=2, mode="fused")
     stats = LookaheadStats()
@@ -500,8 +500,8 @@ def _planned_step(p_unchecked: float, per_token: float, rows: int, **cfg):
     """A fused N=3, W=2, G=2 drafter with a planner on a flat curve (an
     extra query token costs ``per_token`` of a step), a prior that has seen
     no tree, and ``rows`` rows of a repeating text (tokens [rows, 64])."""
-    from vllm_lookahead.cost_model import CostCurve, CostModel
-    from vllm_lookahead.planner import Planner
+    from vllm_lookahead.planner.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner.planner import Planner
 
     stats = LookaheadStats()
     prior = AcceptancePrior(max_cands=2, p_unchecked=p_unchecked, tree_cands=[0.0, 0.0],
@@ -520,8 +520,8 @@ def test_a_request_whose_own_bound_cannot_pay_is_left_out():
     request whose own acceptance (and the engine's prior) could not pay for
     any draft or tree, with the others off, is left out of it
     (``requests_quiet``); the one that may pay is looked up and drafts."""
-    from vllm_lookahead.acceptance import LOOKUP_KINDS
-    from vllm_lookahead.step import QuietBatches
+    from vllm_lookahead.planner.acceptance import LOOKUP_KINDS
+    from vllm_lookahead.planner.step import QuietBatches
 
     step, stats, prior, text, tokens = _planned_step(0.1, 0.3, rows=2)
     strong, weak = (new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
@@ -555,8 +555,8 @@ def test_the_search_leaves_out_trees_a_requests_bound_says_cannot_pay(monkeypatc
     tree gains 0) is planned with its drafts only (``search_trees`` False);
     one whose trees may pay, one with a checked chain (its tree run goes
     on) and a young one are planned with their trees."""
-    from vllm_lookahead.acceptance import LOOKUP_KINDS
-    from vllm_lookahead.step import QuietBatches, _trees_pay
+    from vllm_lookahead.planner.acceptance import LOOKUP_KINDS
+    from vllm_lookahead.planner.step import QuietBatches, _trees_pay
 
     step, stats, prior, text, tokens = _planned_step(0.9, 0.001, rows=2)
     states = [new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
@@ -593,7 +593,7 @@ def test_the_search_leaves_out_trees_a_requests_bound_says_cannot_pay(monkeypatc
 
 
 def _view(r, tokens):
-    from vllm_lookahead.step import _request_view
+    from vllm_lookahead.planner.step import _request_view
 
     return _request_view(r, tokens, True)
 
@@ -606,11 +606,11 @@ def test_requests_left_off_after_their_lookup_are_off_in_the_full_plan(monkeypat
     import copy
     import random
 
-    import vllm_lookahead.step as step_mod
-    from vllm_lookahead.acceptance import LOOKUP_KINDS
-    from vllm_lookahead.cost_model import CostCurve, CostModel
-    from vllm_lookahead.planner import Planner
-    from vllm_lookahead.step import QuietBatches
+    import vllm_lookahead.planner.step as step_mod
+    from vllm_lookahead.planner.acceptance import LOOKUP_KINDS
+    from vllm_lookahead.planner.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner.planner import Planner
+    from vllm_lookahead.planner.step import QuietBatches
 
     rng = random.Random(5)
     left_off = 0
@@ -664,11 +664,11 @@ def test_young_requests_and_trees_left_off_after_their_lookup_are_off_in_the_ful
     import copy
     import random
 
-    import vllm_lookahead.step as step_mod
-    from vllm_lookahead.acceptance import LOOKUP_KINDS
-    from vllm_lookahead.cost_model import CostCurve, CostModel
-    from vllm_lookahead.planner import Planner
-    from vllm_lookahead.step import QuietBatches
+    import vllm_lookahead.planner.step as step_mod
+    from vllm_lookahead.planner.acceptance import LOOKUP_KINDS
+    from vllm_lookahead.planner.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner.planner import Planner
+    from vllm_lookahead.planner.step import QuietBatches
 
     rng = random.Random(11)
     cannot_pay = step_mod._cannot_pay
@@ -724,9 +724,9 @@ def test_young_requests_and_trees_left_off_after_their_lookup_are_off_in_the_ful
 
 
 def test_planner_counts_requests_left_out_as_off():
-    from vllm_lookahead.acceptance import RequestAcceptance
-    from vllm_lookahead.cost_model import CostCurve, CostModel
-    from vllm_lookahead.planner import Planner, RequestView
+    from vllm_lookahead.planner.acceptance import RequestAcceptance
+    from vllm_lookahead.planner.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner.planner import Planner, RequestView
 
     # each extra query token costs 10% of a step at any batch size
     curve = CostCurve({b: [(t, 0.05 * (1 + 0.1 * (b * t - 1))) for t in (1, 8, 64)]
@@ -749,8 +749,8 @@ def test_planned_unchecked_draft_carries_its_expected_gain():
     """The planner's unchecked draft records what the planner expected the
     verifier to accept of it (``shape.tokens - 1``); a step left off does
     not."""
-    from vllm_lookahead.cost_model import CostCurve, CostModel
-    from vllm_lookahead.planner import Planner
+    from vllm_lookahead.planner.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner.planner import Planner
 
     cfg = LookaheadConfig(ngram_size=3, window_size=2, guess_set_size=2, mode="fused")
     stats = LookaheadStats()
@@ -803,7 +803,7 @@ def test_samples_of_one_parent_are_planned_by_who_ends_last():
     a batch slot (``sibling_ahead_steps``): where a draft token
     costs little but a request's slot too, the sample ahead is left off and
     the others draft their lookups."""
-    from vllm_lookahead.state import sibling_group
+    from vllm_lookahead.algo.state import sibling_group
 
     assert sibling_group("3_cmpl-abc_1") == "cmpl-abc_1"
     assert sibling_group("cmpl-abc") is None and sibling_group("x_1") is None
@@ -932,8 +932,8 @@ def test_a_step_prices_the_bonus_rows_only_where_every_request_allows_them():
     request of the step lets vLLM's rows be cut (``state.lazy_bonus``): one
     request with, say, penalties keeps the whole batch on vLLM's path, and
     nothing is saved."""
-    from vllm_lookahead.cost_model import CostCurve, CostModel
-    from vllm_lookahead.planner import Planner
+    from vllm_lookahead.planner.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner.planner import Planner
 
     cfg = LookaheadConfig(ngram_size=3, window_size=2, guess_set_size=2, mode="fused")
     prior = AcceptancePrior(max_cands=2, p_unchecked=0.05, tree_cands=[0.0, 0.0],
@@ -973,7 +973,7 @@ def test_match_kind_buckets_long_own_matches():
     """Own-text matches past 4 tokens are learnt in three length buckets;
     the memory's key lengths are kinds as they are; every kind is one the
     acceptance model keeps a rate for."""
-    from vllm_lookahead.acceptance import LOOKUP_KINDS, AcceptancePrior, match_kind
+    from vllm_lookahead.planner.acceptance import LOOKUP_KINDS, AcceptancePrior, match_kind
 
     got = {m: match_kind("suffix", m) for m in (2, 3, 4, 5, 8, 9, 16, 17, 24, 30)}
     assert got == {2: "suffix2", 3: "suffix3", 4: "suffix4", 5: "suffix8", 8: "suffix8",

@@ -80,7 +80,7 @@ def test_llm_runs_lookahead_on_tiny_model(tiny_model_path):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_lookahead.cost_model import BATCH_LADDER
+    from vllm_lookahead.planner.cost_model import BATCH_LADDER
 
     spec = {"method": "lookahead", "ngram_size": 3, "window_size": 3, "guess_set_size": 2}
     with engine(tiny_model_path, spec, skip_tokenizer_init=True, max_num_seqs=4,

@@ -112,7 +112,7 @@ def test_ray_on_cpu_needs_the_opt_in():
     """Without LOOKAHEAD_RAY_ON_CPU the CPU platform keeps vLLM's answer
     (no Ray), and the fix is reported as not in effect."""
     code = ("import os; os.environ.pop('LOOKAHEAD_RAY_ON_CPU', None)\n"
-            "from vllm_lookahead import ray_cpu\n"
+            "from vllm_lookahead.cpu import ray as ray_cpu\n"
             "from vllm.platforms import current_platform as p\n"
             "print(ray_cpu.enable(), repr(p.ray_device_key))\n"
             "os.environ['LOOKAHEAD_RAY_ON_CPU'] = '1'\n"

@@ -21,7 +21,7 @@ def test_unservable_backend_falls_back_to_prompt_lookup(smollm2_path, monkeypatc
     from vllm import SamplingParams
 
     from vllm_lookahead import get_lookahead_stats, worker
-    from vllm_lookahead.kv_layout import UnsupportedLayout
+    from vllm_lookahead.branch.kv_layout import UnsupportedLayout
 
     prompts = token_prompts(real_prompt_ids(smollm2_path, 3, 2))
     greedy = SamplingParams(temperature=0.0, max_tokens=48)

@@ -170,7 +170,7 @@ def _curve_file(tmp_path, name, per_token):
     ``per_token`` of it for every extra query token, at batch 1 to 16."""
     import json
 
-    from vllm_lookahead.cost_model import CACHE_VERSION, CostCurve
+    from vllm_lookahead.planner.cost_model import CACHE_VERSION, CostCurve
 
     pts = {b: [(t, 0.05 * (1 + per_token * (b * t - 1))) for t in (1, 8, 64)]
            for b in (1, 2, 4, 8, 16)}

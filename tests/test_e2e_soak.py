@@ -21,7 +21,7 @@ left; and memory does not grow:
   :data:`OURS_MARGIN_KB`. Two bounded stores are held to their own bounds
   instead of being counted: the shared memory's text (above) and the cost
   model's memo of predicted step times (at most
-  :attr:`~vllm_lookahead.cost_model.CostModel.MEMO_SIZE` answers, about
+  :attr:`~vllm_lookahead.planner.cost_model.CostModel.MEMO_SIZE` answers, about
   36 KB when 500 are kept; it is emptied before the last snapshot). The
   rest measured 13-16 KB (a handful of small objects that vLLM's tensors
   keep alive, the planner's fitted lines); keeping only 100 bytes per

@@ -23,8 +23,8 @@ import torch
 
 import gpu_tree_check  # benchmarks/, on the path through conftest.py
 from test_tree_attention import _slots, tree_meta
-from vllm_lookahead.kv_layout import gather_sequence, probe_page_layout, scratch_like
-from vllm_lookahead.tree_attention import tree_attention
+from vllm_lookahead.branch.kv_layout import gather_sequence, probe_page_layout, scratch_like
+from vllm_lookahead.branch.tree_attention import tree_attention
 
 kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
@@ -192,7 +192,7 @@ def test_token_major_gather_reads_in_place_of_a_dense_copy(layout):
     copy writes its tree rows into the copy, never into the cache."""
     from types import SimpleNamespace
 
-    from vllm_lookahead.kv_layout import gather_token_major
+    from vllm_lookahead.branch.kv_layout import gather_token_major
     from vllm_lookahead.worker import TreeAttentionImpl
 
     views = gpu_views(layout, torch.float32, seed=5)

@@ -1,5 +1,5 @@
 """A drafting step's bonus tokens sampled only where used (patch 15,
-``vllm_lookahead.lazy_bonus``), against vLLM 0.32's own rejection sampler
+``vllm_lookahead.cpu.lazy_bonus``), against vLLM 0.32's own rejection sampler
 on the CPU, without an engine."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_lookahead import lazy_bonus
-from vllm_lookahead.cpu_sampling import TopPCounts
+import vllm_lookahead.cpu.lazy_bonus as lazy_bonus
+from vllm_lookahead.cpu.sampling import TopPCounts
 
 VOCAB = 64
 
@@ -213,7 +213,7 @@ def test_measure_verify_times_accepted_and_rejected_drafts(verifier):
     at batch 1 the switch is 0 (one request's first token and the step's
     switch are one), and first + switch is what one drafting request adds
     over the plain sampler."""
-    from vllm_lookahead import warmup
+    import vllm_lookahead.branch.warmup as warmup
 
     seen, seeded = [], []
 

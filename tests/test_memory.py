@@ -1,4 +1,4 @@
-"""The shared memory (vllm_lookahead.memory) and its use in lookups: pure
+"""The shared memory (vllm_lookahead.algo.memory) and its use in lookups: pure
 logic, no engine."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_lookahead.acceptance import LOOKUP_KINDS, AcceptancePrior
+from vllm_lookahead.planner.acceptance import LOOKUP_KINDS, AcceptancePrior
 from vllm_lookahead.config import LookaheadConfig, request_settings
-from vllm_lookahead.drafting import candidates, lookup, new_state
-from vllm_lookahead.memory import KEY_LENS, PROMPT_TAIL, SharedMemory, scope_of
-from vllm_lookahead.planner import Planner
-from vllm_lookahead.state import SOURCE_MEMORY
+from vllm_lookahead.algo.drafting import candidates, lookup, new_state
+from vllm_lookahead.algo.memory import KEY_LENS, PROMPT_TAIL, SharedMemory, scope_of
+from vllm_lookahead.planner.planner import Planner
+from vllm_lookahead.algo.state import SOURCE_MEMORY
 
 
 def _toks(*xs):
@@ -235,7 +235,7 @@ def test_steady_draft_prices_a_seeded_draft_on_the_start_curve(p, per_token, exp
 
 
 def test_calibration_scales_unchecked_gains_to_what_was_accepted():
-    from vllm_lookahead.acceptance import RequestAcceptance
+    from vllm_lookahead.planner.acceptance import RequestAcceptance
 
     prior = AcceptancePrior(max_cands=3)
     acc = RequestAcceptance(prior)
@@ -302,7 +302,7 @@ def test_lookups_draft_up_to_lookup_len_from_memory_and_own_text(look, room, k):
 
 
 def test_draft_lengths_weigh_every_short_length_then_a_ladder():
-    from vllm_lookahead.planner import draft_lengths
+    from vllm_lookahead.planner.planner import draft_lengths
 
     assert draft_lengths(0) == ()
     assert draft_lengths(3) == (1, 2, 3)
@@ -318,9 +318,9 @@ def test_draft_lengths_weigh_every_short_length_then_a_ladder():
     (0.5, 0.04, 1, 3),      # coin flips: a short draft
 ])
 def test_planner_prices_a_long_lookup(p, per_token, lo, hi):
-    from vllm_lookahead.acceptance import RequestAcceptance
-    from vllm_lookahead.cost_model import CostCurve, CostModel
-    from vllm_lookahead.planner import RequestView
+    from vllm_lookahead.planner.acceptance import RequestAcceptance
+    from vllm_lookahead.planner.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner.planner import RequestView
 
     prior = AcceptancePrior(max_cands=3)
     acc = RequestAcceptance(prior)
@@ -337,9 +337,9 @@ def test_planner_drafts_a_unanimous_lookup_and_skips_a_split_one_of_the_same_key
     """A key kind's rate is learnt per request over every agreement class;
     the engine's class factors (learnt from every request's matches) part
     a unanimous match from a split one of the same kind."""
-    from vllm_lookahead.acceptance import RequestAcceptance
-    from vllm_lookahead.cost_model import CostCurve, CostModel
-    from vllm_lookahead.planner import RequestView
+    from vllm_lookahead.planner.acceptance import RequestAcceptance
+    from vllm_lookahead.planner.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner.planner import RequestView
 
     prior = AcceptancePrior(max_cands=3)
     for _ in range(1000):  # unanimous matches run on, split ones miss at once
@@ -374,7 +374,7 @@ def test_planner_drafts_a_unanimous_lookup_and_skips_a_split_one_of_the_same_key
 
 
 def test_a_probe_teaches_its_key_kind_and_its_class():
-    from vllm_lookahead.acceptance import AGREEMENT_PRIOR, RequestAcceptance
+    from vllm_lookahead.planner.acceptance import AGREEMENT_PRIOR, RequestAcceptance
 
     prior = AcceptancePrior(max_cands=3)
     assert {a: prior.agreement_factor(a) for a in prior.agreement} == \
@@ -490,7 +490,7 @@ def test_lookup_without_own_ngram_drafts_what_followed_the_token_elsewhere():
 
 
 def test_jacobi_step_feeds_the_memory_only_for_requests_that_feed_it():
-    from vllm_lookahead.drafting import jacobi_step
+    from vllm_lookahead.algo.drafting import jacobi_step
 
     class _Window:
         warm = True
@@ -560,7 +560,7 @@ def test_votes_skip_places_of_other_keys_on_a_shared_slot(monkeypatch):
     places whose tokens are the asked key vote."""
     import builtins
 
-    import vllm_lookahead.memory as memory
+    import vllm_lookahead.algo.memory as memory
 
     monkeypatch.setattr(memory, "hash", lambda _x: 0, raising=False)
     assert builtins.hash((1, 2)) != 0  # (the module's own name, not Python's)

@@ -13,16 +13,16 @@ import random
 import numpy as np
 import pytest
 
-from vllm_lookahead.acceptance import (
+from vllm_lookahead.planner.acceptance import (
     LOOKUP_KINDS,
     AcceptancePrior,
     RequestAcceptance,
     geometric_gain,
     possible_kinds,
 )
-from vllm_lookahead.cost_cache import CostCache, cache_key, load_curve
-from vllm_lookahead.cost_model import CostCurve, CostModel, bucket_of, measure_curve
-from vllm_lookahead.planner import OFF, BestCase, Planner, RequestView, Shape
+from vllm_lookahead.planner.cost_cache import CostCache, cache_key, load_curve
+from vllm_lookahead.planner.cost_model import CostCurve, CostModel, bucket_of, measure_curve
+from vllm_lookahead.planner.planner import OFF, BestCase, Planner, RequestView, Shape
 
 # -- synthetic machines ----------------------------------------------------------
 STEP = 0.05  # seconds of a 1-token step
@@ -360,7 +360,7 @@ def test_pay_weight_is_where_any_shape_starts_to_pay():
     """``any_pays`` at a weight is the bound's test of each shape, weight
     times gain against its cost in tokens of the plain step; ``pay_weight``
     is where the first shape passes it."""
-    from vllm_lookahead.planner import draft_lengths
+    from vllm_lookahead.planner.planner import draft_lengths
 
     rng = random.Random(1)
     for trial in range(200):
@@ -866,7 +866,7 @@ def test_corrupt_or_foreign_cache_is_ignored_with_a_warning(tmp_path, caplog):
     for name, text in bad.items():
         path.write_text(text)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="vllm.vllm_lookahead.cost_cache"):
+        with caplog.at_level(logging.WARNING, logger="vllm.vllm_lookahead.planner.cost_cache"):
             assert cache.load(key) is None, name
         assert "ignoring" in caplog.text, name
     assert load_curve(tmp_path / "missing.json") is None
@@ -877,7 +877,7 @@ def test_load_probe_sees_another_busy_process():
     import sys
     import time
 
-    from vllm_lookahead.machine import LoadProbe
+    from vllm_lookahead.planner.machine import LoadProbe
 
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -917,8 +917,8 @@ def test_tree_gains_in_one_pass_are_tree_gain_exactly():
     """The planner prices its trees with ``tree_gains`` (one pass): the very
     floats ``tree_gain`` gives, for every shape of an N, W, G, however the
     estimates moved."""
-    from vllm_lookahead.acceptance import window_root
-    from vllm_lookahead.planner import _tree_options, _tree_table
+    from vllm_lookahead.planner.acceptance import window_root
+    from vllm_lookahead.planner.planner import _tree_options, _tree_table
 
     rng = np.random.default_rng(3)
     prior = AcceptancePrior(max_cands=4)
@@ -1041,7 +1041,7 @@ def test_trees_left_out_of_the_search_are_still_explored():
 
 # -- samples of one parent ----------------------------------------------------------
 def test_sibling_weights_value_the_share_that_ends_the_parent():
-    from vllm_lookahead.planner import sibling_weights
+    from vllm_lookahead.planner.planner import sibling_weights
 
     def end(k):
         return 0.5 * k
@@ -1068,7 +1068,7 @@ def test_end_shares_of_sixteen_tied_samples_sum_to_less_than_one():
     """Sixteen samples at a parent's start, each drafting now and then:
     each is the last with probability about 1/16, and a random gain moves
     the max less than its mean (ties, and the spread it adds)."""
-    from vllm_lookahead.siblings import end_shares
+    from vllm_lookahead.planner.siblings import end_shares
 
     shares = end_shares([64] * 16, [(0.5, 3)] * 16)
     assert len(set(shares)) == 1
@@ -1088,7 +1088,7 @@ def test_end_shares_of_many_parents_in_one_pass_are_each_parents_own():
     """end_shares_many pads the parents' arrays to the largest: a parent's
     shares must not depend on which others share its pass (grids of
     different widths, 0/1/16 samples, drafts that never or always hit)."""
-    from vllm_lookahead.siblings import end_shares_many
+    from vllm_lookahead.planner.siblings import end_shares_many
 
     rng = np.random.default_rng(7)
     for _ in range(200):
@@ -1117,7 +1117,7 @@ def test_end_shares_agree_with_a_fine_integral():
     sooner, averaged over its gain, over its expected gain."""
     from math import erf
 
-    from vllm_lookahead.siblings import SPREAD_FLOOR, accepted_pmf, end_shares_many
+    from vllm_lookahead.planner.siblings import SPREAD_FLOOR, accepted_pmf, end_shares_many
 
     cdf = np.vectorize(lambda z: 0.5 * (1.0 + erf(z / np.sqrt(2.0))))
     rng = np.random.default_rng(11)
@@ -1149,7 +1149,7 @@ def test_end_shares_agree_with_a_fine_integral():
 def test_end_shares_agree_with_a_monte_carlo_of_the_model():
     """The grid integral against sampled ends: S_i normal with the module's
     mean and spread, the sample's gain A drawn from its pmf."""
-    from vllm_lookahead.siblings import SPREAD_FLOOR, accepted_pmf, end_shares
+    from vllm_lookahead.planner.siblings import SPREAD_FLOOR, accepted_pmf, end_shares
 
     rng = np.random.default_rng(0)
     remaining = [24, 22, 22, 15]
@@ -1308,7 +1308,7 @@ def test_a_lazy_verifier_prices_the_rows_it_computes():
     by the rows expected, ``1 + p + ... + p^(k-1)``: a long draft of a
     likely lookup costs about what its accepted part does, and the planner
     drafts longer than where every row is computed."""
-    from vllm_lookahead.planner import verified_rows
+    from vllm_lookahead.planner.planner import verified_rows
 
     assert verified_rows(0, 0.5) == 0.0
     assert verified_rows(1, 0.5) == 1.0
@@ -1334,7 +1334,7 @@ def test_a_draft_rejected_anywhere_saves_its_lazy_bonus_row():
     where that row costs more than a draft token's forward (the CPU's
     full-vocabulary top-p sort), a draft of a poor guess pays, where it does
     not without the saving or where the bonus row is not lazy."""
-    from vllm_lookahead.planner import bonus_saving, verified_rows
+    from vllm_lookahead.planner.planner import bonus_saving, verified_rows
 
     assert bonus_saving(0.002, 0, 0.3) == 0.0
     assert bonus_saving(0.0, 3, 0.3) == 0.0
@@ -1361,7 +1361,7 @@ def test_a_tree_chain_is_priced_as_the_draft_it_hands_the_verifier():
     """A tree's steady state drafts its confirmed chain next step: a lazy
     sampled request's chain is priced by the rows expected at the checked
     chain's acceptance, less the bonus row it is expected to save."""
-    from vllm_lookahead.planner import bonus_saving, verified_rows
+    from vllm_lookahead.planner.planner import bonus_saving, verified_rows
 
     planner = Planner(CostModel(CostCurve.flat(0.03, 0.002)))
     acc = acceptance(**{**HIGH, "p_checked": 0.5})
@@ -1470,7 +1470,7 @@ def test_a_seeded_draft_is_priced_with_the_seeded_verification_where_measured():
 def test_a_plane_slope_is_held_at_its_floor():
     """A slope the steps put below its floor is held there and the rest
     refitted; the floor may be below 0 (:meth:`Plane.set_floors`)."""
-    from vllm_lookahead.fit import Plane
+    from vllm_lookahead.planner.fit import Plane
 
     line = Plane()
     for k in range(40):
@@ -1574,8 +1574,8 @@ def test_may_explore_needs_credit_for_the_tree_step():
     tree whose step (the others off) fits it and 1.5 plain steps may be
     explored, one whose step does not may not (``step._cannot_pay`` then
     leaves its request off)."""
-    from vllm_lookahead.cost_model import CostCurve, CostModel
-    from vllm_lookahead.planner import Planner
+    from vllm_lookahead.planner.cost_model import CostCurve, CostModel
+    from vllm_lookahead.planner.planner import Planner
 
     # each extra query token costs 10% of a one-request step
     curve = CostCurve({b: [(t, 0.05 * (1 + 0.1 * (b * t - 1))) for t in (1, 8, 64)]
@@ -1712,7 +1712,7 @@ def test_a_seeded_requests_batch_is_its_parents_n_or_the_setting():
     from types import SimpleNamespace
 
     from vllm_lookahead.proposer import seeded_batch
-    from vllm_lookahead.state import SAMPLES_KEY
+    from vllm_lookahead.algo.state import SAMPLES_KEY
 
     def params(extra):
         return SimpleNamespace(extra_args=extra)

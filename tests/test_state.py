@@ -1,4 +1,4 @@
-"""Unit tests of the per-request lookahead state (vllm_lookahead.state)."""
+"""Unit tests of the per-request lookahead state (vllm_lookahead.algo.state)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from vllm_lookahead.attn_mask import build_tree, fill_tree_tokens
-from vllm_lookahead.state import (
+from vllm_lookahead.algo.state import (
     SOURCE_PROMPT,
     SOURCE_WINDOW,
     JacobiWindow,
@@ -349,7 +349,7 @@ def test_request_seed_depends_on_prompt_and_base_seed():
 
 
 _SEED_SNIPPET = (
-    "import numpy as np; from vllm_lookahead.state import request_seed; "
+    "import numpy as np; from vllm_lookahead.algo.state import request_seed; "
     "print(request_seed(7, np.array([3, 1, 4, 1, 5, 9, 2, 6])))"
 )
 
@@ -413,7 +413,7 @@ def _suffix_match_reference(toks, n, k, min_len=2, max_len=4):
 
 @pytest.mark.parametrize("seed", range(40))
 def test_suffix_lookup_matches_brute_force(seed):
-    from vllm_lookahead.state import suffix_lookup, suffix_match
+    from vllm_lookahead.algo.state import suffix_lookup, suffix_match
 
     rng = np.random.default_rng(seed)
     vocab = int(rng.integers(2, 6))
@@ -431,7 +431,7 @@ def test_suffix_lookup_matches_brute_force(seed):
 
 
 def test_suffix_lookup_prefers_the_longest_suffix():
-    from vllm_lookahead.state import suffix_lookup
+    from vllm_lookahead.algo.state import suffix_lookup
 
     #        0  1  2  3  4  5  6  7  8  9
     toks = [5, 1, 2, 7, 3, 1, 2, 8, 9, 1, 2]
@@ -445,7 +445,7 @@ def test_suffix_lookup_prefers_the_longest_suffix():
 
 
 def test_a_tree_with_part_of_the_window_moves_its_columns_only():
-    from vllm_lookahead.state import JacobiWindow
+    from vllm_lookahead.algo.state import JacobiWindow
 
     n, w = 4, 3
     levels = np.arange(1, 1 + (n - 1) * w, dtype=np.int32)  # [[1 2 3] [4 5 6] [7 8 9]]
@@ -460,7 +460,7 @@ def test_a_tree_with_part_of_the_window_moves_its_columns_only():
 
 
 def test_vote_draft_follows_the_places_that_agree():
-    from vllm_lookahead.state import vote_draft
+    from vllm_lookahead.algo.state import vote_draft
 
     # newest first: the mode wins over the newest place, token by token
     assert vote_draft([[9, 9], [7, 8], [7, 8]], 2, 0.1) == [7, 8]
@@ -479,7 +479,7 @@ def test_vote_draft_follows_the_places_that_agree():
 
 
 def test_suffix_match_votes_when_asked():
-    from vllm_lookahead.state import suffix_match
+    from vllm_lookahead.algo.state import suffix_match
 
     # "1 2" is followed by 7 8 twice, then by 9 9 (newest); the text ends in "1 2"
     toks = np.array([1, 2, 7, 8, 0, 1, 2, 7, 8, 0, 1, 2, 9, 9, 0, 1, 2], np.int32)
@@ -493,7 +493,7 @@ def test_suffix_match_votes_when_asked():
 
 
 def test_agreement_of_the_places_on_the_first_token():
-    from vllm_lookahead.state import AGREEMENTS, agreement
+    from vllm_lookahead.algo.state import AGREEMENTS, agreement
 
     assert agreement([[4, 5]], [4, 5]) == ""  # one place: nothing to agree
     assert agreement([[4, 5], [4, 6]], [4, 5]) == "+"  # the first token unanimous
@@ -503,7 +503,7 @@ def test_agreement_of_the_places_on_the_first_token():
 
 
 def test_suffix_vote_says_how_the_places_agreed():
-    from vllm_lookahead.state import suffix_match, suffix_vote
+    from vllm_lookahead.algo.state import suffix_match, suffix_vote
 
     toks = np.array([1, 2, 7, 8, 0, 1, 2, 7, 8, 0, 1, 2, 9, 9, 0, 1, 2], np.int32)
     # "1 2": 7 8 twice, 9 9 once: voted 7 8, split
@@ -525,7 +525,7 @@ def test_suffix_vote_says_how_the_places_agreed():
 
 def _suffix_vote_by_length(tokens, n, k, min_len=2, max_len=4, min_prob=None):
     """The reference: a search for each match length, longest first."""
-    from vllm_lookahead.state import _continue, MAX_PLACES
+    from vllm_lookahead.algo.state import _continue, MAX_PLACES
 
     t = np.asarray(tokens[:n])
     if k <= 0 or n - 1 < min_len:
@@ -547,7 +547,7 @@ def test_suffix_vote_finds_the_longest_match_and_its_places(max_len):
     """The match grown one token at a time gives what a search of every
     length, longest first, gives: the same length, places and draft (small
     vocabularies, so that long repeats occur)."""
-    from vllm_lookahead.state import MIN_PROB, suffix_vote
+    from vllm_lookahead.algo.state import MIN_PROB, suffix_vote
 
     rng = np.random.default_rng(max_len)
     for trial in range(400):
@@ -567,7 +567,7 @@ def test_text_index_answers_as_suffix_vote() -> None:
     answers every lookup as suffix_vote's pass over the whole text does:
     small vocabularies (long, many-place matches), both key caps, voted
     and newest-place drafts, k from 0 up."""
-    from vllm_lookahead.state import TextIndex, suffix_vote
+    from vllm_lookahead.algo.state import TextIndex, suffix_vote
 
     checked = 0
     for seed in range(80):
@@ -592,7 +592,7 @@ def test_text_index_answers_as_suffix_vote() -> None:
 def test_text_index_starts_again_on_other_text() -> None:
     """A text that does not extend the indexed one (shorter, or another
     token where the indexed text ended) is indexed afresh, not mixed in."""
-    from vllm_lookahead.state import TextIndex, suffix_vote
+    from vllm_lookahead.algo.state import TextIndex, suffix_vote
 
     index = TextIndex()
     a = np.array([1, 2, 3, 1, 2, 3, 1, 2], dtype=np.int32)

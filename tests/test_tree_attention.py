@@ -1,5 +1,5 @@
-"""Tree attention over vLLM's paged KV cache (vllm_lookahead.kv_layout,
-vllm_lookahead.tree_attention).
+"""Tree attention over vLLM's paged KV cache (vllm_lookahead.branch.kv_layout,
+vllm_lookahead.branch.tree_attention).
 
 (a) ``probe_page_layout`` + ``gather_sequence`` read back exactly what vLLM's
     own CPU cache writer stored (and what deliberately odd fake writers
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from vllm_lookahead.attn_mask import build_tree
-from vllm_lookahead.kv_layout import UnsupportedLayout, probe_page_layout
-from vllm_lookahead.kv_layout import gather_sequence as _gather_sequence
-from vllm_lookahead.tree_attention import tree_attention
+from vllm_lookahead.branch.kv_layout import UnsupportedLayout, probe_page_layout
+from vllm_lookahead.branch.kv_layout import gather_sequence as _gather_sequence
+from vllm_lookahead.branch.tree_attention import tree_attention
 
 # shared with the check of the GPU layouts (benchmarks/gpu_tree_check.py,
 # on the path through conftest.py)

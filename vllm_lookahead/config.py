@@ -61,7 +61,7 @@ class LookaheadConfig:
             step. 0 or None (default) = never: the planner (``adaptive``)
             already runs no tree and no draft where they do not pay, from
             the measured cost of a step on the machine at hand.
-        adaptive: plan every step (see :mod:`vllm_lookahead.planner`): per
+        adaptive: plan every step (see :mod:`vllm_lookahead.planner.planner`): per
             request, the draft length and the tree shape (including no tree
             and no draft) that maximise the batch's expected tokens per
             second, from the measured cost of a step (``cost_model``) and
@@ -103,8 +103,8 @@ class LookaheadConfig:
             latency: vLLM answers it when its last sample ends, so a
             token a sample gains is worth the parent's last step where the
             sample would have ended last, and the batch slot it frees
-            otherwise (:func:`~vllm_lookahead.planner.sibling_weights`,
-            :mod:`~vllm_lookahead.siblings`). True (the default): on the
+            otherwise (:func:`~vllm_lookahead.planner.planner.sibling_weights`,
+            :mod:`~vllm_lookahead.planner.siblings`). True (the default): on the
             CPU measured it was 1.026x planning every sample for its own
             tokens (False) over 24 paired rows, n = 4 and 16 (README), for
             0.3-0.6 ms more proposer time a step.
@@ -112,7 +112,7 @@ class LookaheadConfig:
             scheduler has no request waiting) and every request of the
             batch decodes with lookahead towards an output cap, plan the
             batch for its end, as if its requests were the samples of one
-            parent (:func:`~vllm_lookahead.planner.sibling_weights`): a
+            parent (:func:`~vllm_lookahead.planner.planner.sibling_weights`): a
             token gained by a request that would not end last only frees
             its slot a step sooner. That is what a caller waiting for a
             whole batch gets (``LLM.generate``, a rollout batch); a server's

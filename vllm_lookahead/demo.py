@@ -44,7 +44,7 @@ def _parse(argv):
 
 
 def cpu_name() -> str:
-    from vllm_lookahead.cost_model import hardware_id
+    from vllm_lookahead.planner.cost_model import hardware_id
 
     return hardware_id().get("cpu") or platform.machine()
 

@@ -60,11 +60,11 @@ every other method untouched:
    become subclasses whose only change is that a CPU worker reports no
    device ids (vLLM reads them from Ray's
    accelerator table, which has no entry for a custom resource). See
-   :mod:`vllm_lookahead.ray_cpu`.
+   :mod:`vllm_lookahead.cpu.ray`.
 10. ``Worker.compile_or_warm_up_model`` (and the CPU worker's own): after
     vLLM's warm-up, when the KV cache exists, our proposer wraps the
     attention layers and sets up the planner's step-cost model (cached,
-    or measured in a few seconds: :mod:`vllm_lookahead.warmup`), so the
+    or measured in a few seconds: :mod:`vllm_lookahead.branch.warmup`), so the
     first request does not pay for it.
 11. ``GPUModelRunner._sample`` and ``._bookkeeping_sync``, for requests with
     a CPU ``torch.Generator`` (a ``seed`` on the CPU platform): when a
@@ -83,7 +83,7 @@ every other method untouched:
     in vLLM's own logits call (appended after its rows; vLLM gets its rows
     back), so the output layer's weights are read once per step. Any other
     call passes straight through.
-13. The shared memory (:mod:`vllm_lookahead.memory`):
+13. The shared memory (:mod:`vllm_lookahead.algo.memory`):
     ``InputProcessor.process_inputs`` writes every request's scope (a
     digest of its ``cache_salt``; 0 without one) into its own copy of the
     sampling parameters' ``extra_args`` (``memory.SCOPE_KEY``, overwriting
@@ -111,7 +111,7 @@ every other method untouched:
     its ``apply_sampling_constraints`` for the draft rows) decides top-p
     from a row's 256 largest logits instead of sorting its whole
     vocabulary, and hands every row where that could differ from vLLM's
-    sort to vLLM's own function (:mod:`vllm_lookahead.cpu_sampling`);
+    sort to vLLM's own function (:mod:`vllm_lookahead.cpu.sampling`);
     ``sample_recovered_tokens`` draws its exponential noise for the
     requests with a draft only (vLLM draws it for the whole batch whenever
     one request drafts), seeded requests from their generators as vLLM
@@ -139,7 +139,7 @@ every other method untouched:
     then samples with vLLM's sampler only the bonus rows the output uses
     (requests that accepted their whole draft or had none), instead of
     every request's bonus row before verifying
-    (:mod:`vllm_lookahead.lazy_bonus`; a rejected draft's bonus row, a
+    (:mod:`vllm_lookahead.cpu.lazy_bonus`; a rejected draft's bonus row, a
     vocabulary sort under top-p, was thrown away). An unseeded bonus token
     is an independent draw, so the distribution is vLLM's; any other batch
     takes vLLM's path. Every speculative method benefits.
@@ -372,8 +372,8 @@ def _patch_shared_memory() -> None:
     from vllm.v1.worker.worker_base import WorkerBase
 
     from vllm_lookahead.config import ADDITIONAL_CONFIG_KEY
-    from vllm_lookahead.memory import SCOPE_KEY, scope_of
-    from vllm_lookahead.state import SAMPLES_KEY
+    from vllm_lookahead.algo.memory import SCOPE_KEY, scope_of
+    from vllm_lookahead.algo.state import SAMPLES_KEY
 
     orig_process = InputProcessor.process_inputs
 
@@ -491,7 +491,7 @@ def _fix_cpu_expand_kernel() -> None:
 def _enable_ray_on_cpu() -> None:
     from vllm.logger import init_logger
 
-    from vllm_lookahead import ray_cpu
+    import vllm_lookahead.cpu.ray as ray_cpu
 
     if ray_cpu.enable():
         logger = init_logger("vllm." + __name__)
@@ -605,8 +605,9 @@ def _cheap_cpu_verification() -> None:
     import torch
     from vllm.v1.sample import rejection_sampler as rs
 
-    from vllm_lookahead import cpu_sampling, lazy_bonus
-    from vllm_lookahead.cpu_sampling import (
+    from vllm_lookahead.cpu import lazy_bonus
+    from vllm_lookahead.cpu import sampling as cpu_sampling
+    from vllm_lookahead.cpu.sampling import (
         COUNTS,
         recovered_inv_q,
         top_k_top_p_rows,

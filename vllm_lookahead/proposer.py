@@ -25,8 +25,8 @@ import numpy as np
 
 from vllm.logger import init_logger
 
-from vllm_lookahead import lazy_bonus
-from vllm_lookahead.acceptance import AcceptancePrior
+import vllm_lookahead.cpu.lazy_bonus as lazy_bonus
+from vllm_lookahead.planner.acceptance import AcceptancePrior
 from vllm_lookahead.config import (
     ADDITIONAL_CONFIG_KEY,
     WAITING_ATTR,
@@ -35,13 +35,13 @@ from vllm_lookahead.config import (
     RequestSettings,
     request_settings,
 )
-from vllm_lookahead.drafting import Live, account, harvest, new_state
-from vllm_lookahead.memory import SCOPE_KEY, SharedMemory
-from vllm_lookahead.planner import Planner
-from vllm_lookahead.state import SAMPLES_KEY, RequestState, sibling_group
+from vllm_lookahead.algo.drafting import Live, account, harvest, new_state
+from vllm_lookahead.algo.memory import SCOPE_KEY, SharedMemory
+from vllm_lookahead.planner.planner import Planner
+from vllm_lookahead.algo.state import SAMPLES_KEY, RequestState, sibling_group
 from vllm_lookahead.stats import LookaheadStats
-from vllm_lookahead.step import StepDrafter
-from vllm_lookahead.trees import PlannedTree
+from vllm_lookahead.planner.step import StepDrafter
+from vllm_lookahead.algo.trees import PlannedTree
 
 logger = init_logger("vllm." + __name__)  # under "vllm": vLLM configures that logger
 
@@ -134,7 +134,7 @@ class LookaheadProposer:
                 self.step.trees = False
                 self.trees_unsupported = str(e)
         if self.cfg.adaptive and self.planner is None:
-            from vllm_lookahead.warmup import build_cost_model
+            from vllm_lookahead.branch.warmup import build_cost_model
 
             # Without trees nothing can time the tree path: an assumed curve,
             # corrected from the engine's own steps.
@@ -143,7 +143,7 @@ class LookaheadProposer:
             self.step.planner = Planner(cost, fused=self.fused)
             cost.learn_plain = self.cfg.learn_step_cost
             self.step.planner.min_draft_p = self.cfg.min_draft_p
-            from vllm_lookahead import cpu_sampling
+            import vllm_lookahead.cpu.sampling as cpu_sampling
 
             self.step.planner.lazy_verify = cpu_sampling.LAZY_VERIFY
 

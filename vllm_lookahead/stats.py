@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from vllm_lookahead.state import SOURCES
+from vllm_lookahead.algo.state import SOURCES
 
 #: Name of the worker method :mod:`vllm_lookahead.patches` adds to vLLM's
 #: workers (``WorkerBase.lookahead_stats`` = :func:`worker_stats`), called
@@ -53,7 +53,7 @@ class LookaheadStats:
         steps_window_off / steps_off: steps where the tree-token budget left
             the windows out / where the batch was too big for lookahead.
         steps_quiet: steps where no request's draft could pay at that batch
-            size (:meth:`~vllm_lookahead.planner.Planner.any_pays`), so the
+            size (:meth:`~vllm_lookahead.planner.planner.Planner.any_pays`), so the
             per-request work (lookups, pool updates, planning) was skipped.
         requests_quiet: request-steps left out so, in quiet steps or by the
             request's own bound (``step.QuietBatches``).
@@ -75,7 +75,7 @@ class LookaheadStats:
             parent with another sample live (``parent_latency``).
         sibling_ahead_steps: those of them planned with a token worth less
             than a token: a sample unlikely to end last
-            (:func:`~vllm_lookahead.planner.sibling_weights`).
+            (:func:`~vllm_lookahead.planner.planner.sibling_weights`).
         arm_steps: request-steps by how the request ran: "tree", "pool"
             (a draft without tree: the last tree's checked chain or the
             unchecked lookup) or "off" (no draft).
@@ -166,7 +166,7 @@ def worker_stats(worker) -> dict | None:
     stats["plain_sampler_steps"] = getattr(worker.model_runner, "lookahead_plain_samples", 0)
     # draft rows whose top-p the CPU verifier decided, and those it left to
     # vLLM's sort (patch 15; 0 off the CPU platform)
-    from vllm_lookahead.cpu_sampling import COUNTS
+    from vllm_lookahead.cpu.sampling import COUNTS
 
     stats["verify_top_p_rows"] = COUNTS.rows
     stats["verify_top_p_fallback_rows"] = COUNTS.fallback_rows

@@ -27,13 +27,13 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 
-from vllm_lookahead.kv_layout import (
+from vllm_lookahead.branch.kv_layout import (
     PageLayout,
     gather_pages,
     gather_token_major,
     probe_page_layout,
 )
-from vllm_lookahead.tree_attention import batched_tree_attention, tree_attention_mask
+from vllm_lookahead.branch.tree_attention import batched_tree_attention, tree_attention_mask
 
 logger = init_logger("vllm." + __name__)  # under "vllm": vLLM configures that logger
 
@@ -110,7 +110,7 @@ class TreeAttnMetadata:
         """int64 ``[R, nb + extra]`` block ids on the device and ``P``, the
         prefix slots the first ``nb`` hold (``nb * block_size``); past them
         ``extra`` padding blocks a request's tree rows may go into
-        (:func:`~vllm_lookahead.kv_layout.gather_token_major`)."""
+        (:func:`~vllm_lookahead.branch.kv_layout.gather_token_major`)."""
         key = ("pages", group, extra)
         hit = self._memo.get(key)
         if hit is None:

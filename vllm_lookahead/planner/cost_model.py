@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from vllm_lookahead.fit import Plane, plane_features, plane_seconds
+from vllm_lookahead.planner.fit import Plane, plane_features, plane_seconds
 # Re-exported for callers that take them from here (demo.py, benchmarks/).
-from vllm_lookahead.machine import hardware_id, machine_busy_s  # noqa: F401
+from vllm_lookahead.planner.machine import hardware_id, machine_busy_s  # noqa: F401
 
 #: Format version of the cache files (a :meth:`CostCurve.to_dict` with its
 #: key and its :meth:`CostCurve.verify_dict`, :mod:`.cost_cache`); a file of

@@ -25,15 +25,15 @@ import time
 
 from vllm.logger import init_logger
 
-from vllm_lookahead.cost_cache import CostCache, cache_key, load_curve
-from vllm_lookahead.cost_model import (
+from vllm_lookahead.planner.cost_cache import CostCache, cache_key, load_curve
+from vllm_lookahead.planner.cost_model import (
     BATCH_LADDER,
     TOKEN_LADDER,
     CostCurve,
     CostModel,
     measure_curve,
 )
-from vllm_lookahead.machine import LoadProbe
+from vllm_lookahead.planner.machine import LoadProbe
 
 logger = init_logger("vllm." + __name__)
 

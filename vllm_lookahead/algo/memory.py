@@ -32,8 +32,8 @@ Layout and bounds:
   broken where a document was evicted. A collision overwrites the slot
   (and mixes the chain); a lookup verifies each place's document is
   alive, in the same scope, and holds the key tokens there, and the
-  newest :data:`~vllm_lookahead.state.MAX_PLACES` places vote on the draft
-  (:func:`~vllm_lookahead.state.vote_draft`). Fixed tables of
+  newest :data:`~vllm_lookahead.algo.state.MAX_PLACES` places vote on the draft
+  (:func:`~vllm_lookahead.algo.state.vote_draft`). Fixed tables of
   ``len(KEY_LENS) * slots * 8`` bytes, and 32 bytes per held token for
   the chains.
 
@@ -66,7 +66,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from vllm_lookahead.state import MAX_PLACES, MIN_PROB, agreement, vote_draft
+from vllm_lookahead.algo.state import MAX_PLACES, MIN_PROB, agreement, vote_draft
 
 #: Key lengths looked up, longest first: a long key names the context (the
 #: question before an answer), a short one finds phrases. The 2-token key
@@ -315,7 +315,7 @@ class SharedMemory:
         """What followed the longest key (:data:`KEY_LENS`) of
         ``text[:n]``'s suffix in the other documents of ``scope``: at most
         ``k`` tokens, the key's length, and the places'
-        :func:`~vllm_lookahead.state.agreement` on its first token;
+        :func:`~vllm_lookahead.algo.state.agreement` on its first token;
         ``([], 0, "")`` for none.
         ``own``: the asking request's document (never answered from).
         ``longer_than``: only keys longer than this are looked up (the

@@ -1,6 +1,6 @@
 """A cost model's fit of steps without trees: exponentially weighted
 least squares of a plane with slopes held to priors
-(:class:`~vllm_lookahead.cost_model.CostModel` keeps one per batch bucket).
+(:class:`~vllm_lookahead.planner.cost_model.CostModel` keeps one per batch bucket).
 
 Pure Python (no numpy): a few unknowns, fitted once per step.
 """
@@ -47,7 +47,7 @@ class Plane:
         """The least each slope may be (0 unless set: more rows never cost
         less; below 0 where the step times booked have a cost taken out
         that may be overstated, see
-        :class:`~vllm_lookahead.cost_model.CostModel`)."""
+        :class:`~vllm_lookahead.planner.cost_model.CostModel`)."""
         self.floor = [min(float(f), 0.0) for f in floors]
 
     def add(self, x, y: float, weight: float = 1.0, keep: float = 1.0) -> None:
@@ -94,7 +94,7 @@ class Plane:
 def plane_features(batch: int, bucket: int, tokens: float, drafting: int | None) -> tuple:
     """:class:`Plane`'s ``(u, v, m)`` of a step of ``batch`` requests in
     batch bucket ``bucket`` (the rest as
-    :meth:`~vllm_lookahead.cost_model.CostModel.predict` takes them)."""
+    :meth:`~vllm_lookahead.planner.cost_model.CostModel.predict` takes them)."""
     batch = max(int(batch), 1)
     draft = batch * (max(tokens, 1.0) - 1)
     if drafting is None:

@@ -1,6 +1,6 @@
 """Per-request drafting: what one request's lookahead state does in a step.
 
-Pure logic over :class:`~vllm_lookahead.state.RequestState` (numpy only, no
+Pure logic over :class:`~vllm_lookahead.algo.state.RequestState` (numpy only, no
 vLLM): building a request's state, booking a step's outcome, the Jacobi
 window's harvest (where the window and the pool change), the candidates a
 tree checks and the chain it confirms, and the unchecked draft (prompt
@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_lookahead.acceptance import AcceptancePrior, RequestAcceptance, match_kind, pool_kind
+from vllm_lookahead.planner.acceptance import AcceptancePrior, RequestAcceptance, match_kind, pool_kind
 from vllm_lookahead.attn_mask import TreeLayout
-from vllm_lookahead.state import (
+from vllm_lookahead.algo.state import (
     SOURCE_MEMORY,
     SOURCE_MODEL,
     SOURCE_PROMPT,
@@ -30,7 +30,7 @@ from vllm_lookahead.state import (
     request_seed,
     suffix_lookup,
 )
-from vllm_lookahead.trees import PlannedTree
+from vllm_lookahead.algo.trees import PlannedTree
 
 
 @dataclass
@@ -68,7 +68,7 @@ def new_state(settings, tokens: np.ndarray, n_tok: int, num_prompt_tokens: int,
             its acceptance starts from a fresh prior of its own, not the
             engine's, which other requests move).
         seed: the engine's base seed (``LookaheadConfig.seed``).
-        prior: the engine's :class:`~vllm_lookahead.acceptance.AcceptancePrior`.
+        prior: the engine's :class:`~vllm_lookahead.planner.acceptance.AcceptancePrior`.
     """
     prompt = tokens[: max(min(num_prompt_tokens, n_tok), 1)]
     window = JacobiWindow.random_init(
@@ -130,7 +130,7 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
     the continuation of the text's longest earlier-seen suffix (2-4 tokens,
     ``prompt_pool`` on; its newest 16 places vote, :func:`~vllm_lookahead.
     state.vote_draft`), unless the engine's shared ``memory``
-    (:class:`~vllm_lookahead.memory.SharedMemory`) matches a longer one in
+    (:class:`~vllm_lookahead.algo.memory.SharedMemory`) matches a longer one in
     other requests' text (12, 6, 3 or 2 tokens: its own text wins ties). Where
     lookups run past N (``lookup_len`` and ``room`` above N) the text's
     suffix may be up to :data:`LONG_MATCH` tokens long, and a match's
@@ -142,10 +142,10 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
     ``tokens``: int [>= n_tok] the request's tokens. Sets
     ``state.lookup_sources`` and ``state.lookup_kind`` (the source, the
     key's length and the places' agreement on the first token,
-    :func:`~vllm_lookahead.state.agreement`: ``"suffix3+"``,
+    :func:`~vllm_lookahead.algo.state.agreement`: ``"suffix3+"``,
     ``"memory6-"``, ``"suffix16"``, ..., ``"memory1"``, ``"pool"`` or
-    ``"poolsplit"``, :func:`~vllm_lookahead.acceptance.pool_kind`;
-    :func:`~vllm_lookahead.acceptance.match_kind`)."""
+    ``"poolsplit"``, :func:`~vllm_lookahead.planner.acceptance.pool_kind`;
+    :func:`~vllm_lookahead.planner.acceptance.match_kind`)."""
     n = state.settings.ngram_size
     k = min(room if room > 0 else n, max(n, state.settings.lookup_len))
     # Past N, a match's continuation runs as far as the match is long

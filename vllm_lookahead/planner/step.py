@@ -1,7 +1,7 @@
 """One engine step's drafts: which request runs what, in either mode.
 
 Engine-agnostic (no vLLM): :class:`StepDrafter` takes the step's decoding
-requests (:class:`~vllm_lookahead.drafting.Live`, their state up to date)
+requests (:class:`~vllm_lookahead.algo.drafting.Live`, their state up to date)
 and the batch's token array and returns one draft per row; the trees of a
 separate pass run through a callable that :mod:`.proposer` supplies. Per
 request logic is in :mod:`.drafting`, trees are built in :mod:`.trees`,
@@ -12,7 +12,7 @@ shapes are chosen by :mod:`.planner`. Two modes
 request has a *checked chain*: tokens the model itself predicted to follow
 its text, the last being its argmax after the others. The draft is the chain
 minus its last token ``y``; the tree of step t+1 is planned rooted at ``y``,
-right after the draft (see :class:`~vllm_lookahead.trees.PlannedTree`): the
+right after the draft (see :class:`~vllm_lookahead.algo.trees.PlannedTree`): the
 Jacobi window and the pool's candidates for ``y``. In step t+1 the worker
 appends the tree to vLLM's own query tokens, so it reads the request's KV
 cache -- the draft included -- plus its tree ancestors. After vLLM's
@@ -39,7 +39,7 @@ Either way vLLM's rejection sampler verifies the draft exactly: the draft
 only decides how many tokens one step can gain, never which tokens come out.
 
 Planning (``adaptive``, default): every step a
-:class:`~vllm_lookahead.planner.Planner` picks each request's shape -- no
+:class:`~vllm_lookahead.planner.planner.Planner` picks each request's shape -- no
 draft, a draft of k tokens, or a tree of w <= W columns and g <= G
 candidates -- for the most expected tokens per second, from the step cost
 measured at start-up (:mod:`.warmup`, corrected from the steps seen) and the
@@ -59,9 +59,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from vllm_lookahead.acceptance import possible_kinds
-from vllm_lookahead.drafting import Live, candidates, lookup, read_tree, unchecked_draft
-from vllm_lookahead.planner import (
+from vllm_lookahead.planner.acceptance import possible_kinds
+from vllm_lookahead.algo.drafting import Live, candidates, lookup, read_tree, unchecked_draft
+from vllm_lookahead.planner.planner import (
     OFF,
     BestCase,
     RequestView,
@@ -72,7 +72,7 @@ from vllm_lookahead.planner import (
     sibling_rows,
     sibling_weights,
 )
-from vllm_lookahead.trees import TreeAsk, plan_trees
+from vllm_lookahead.algo.trees import TreeAsk, plan_trees
 
 
 #: The parent of every request of a ``closed`` batch (:meth:`StepDrafter._weights`).
@@ -104,7 +104,7 @@ class StepDrafter:
         fused: fused mode (else separate).
         max_model_len: no tree node may sit at this position or beyond.
         stats: the proposer's :class:`~vllm_lookahead.stats.LookaheadStats`.
-        prior: the engine's :class:`~vllm_lookahead.acceptance.AcceptancePrior`.
+        prior: the engine's :class:`~vllm_lookahead.planner.acceptance.AcceptancePrior`.
     """
 
     def __init__(self, cfg, fused: bool, max_model_len: int, stats, prior) -> None:
@@ -119,7 +119,7 @@ class StepDrafter:
         #: cannot serve the lookahead branch: prompt-lookup drafts only).
         self.trees = True
         self.quiet = QuietBatches(stats, prior, cfg.prompt_pool)
-        #: The engine's shared memory (:class:`~vllm_lookahead.memory.
+        #: The engine's shared memory (:class:`~vllm_lookahead.algo.memory.
         #: SharedMemory`; None: ``shared_memory`` off).
         self.memory = None
         #: The last weights taken (:meth:`_step_weights`; None where
@@ -252,7 +252,7 @@ class StepDrafter:
     def _weights(self, everyone: list[Live], batch: int,
                  closed: bool = False) -> tuple[dict[int, float] | None, set[int]]:
         """Per request of ``everyone`` (by batch row), what a token it gains
-        is worth (:func:`~vllm_lookahead.planner.sibling_weights` over the
+        is worth (:func:`~vllm_lookahead.planner.planner.sibling_weights` over the
         samples of one parent decoding this step; None: all 1), and the
         rows planned for their parent. ``closed`` (``batch_end``): the
         whole batch is one parent, where every request has an output cap."""

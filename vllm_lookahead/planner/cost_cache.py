@@ -15,10 +15,10 @@ import logging
 import os
 from pathlib import Path
 
-from vllm_lookahead.cost_model import CACHE_VERSION, MIN_POINTS, CostCurve
-from vllm_lookahead.machine import hardware_id
+from vllm_lookahead.planner.cost_model import CACHE_VERSION, MIN_POINTS, CostCurve
+from vllm_lookahead.planner.machine import hardware_id
 
-logger = logging.getLogger("vllm.vllm_lookahead.cost_cache")
+logger = logging.getLogger("vllm.vllm_lookahead.planner.cost_cache")
 
 
 def cache_key(model: str, dtype: str, tensor_parallel: int, pipeline_parallel: int,

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import NamedTuple
 
-from vllm_lookahead.acceptance import P_MAX, RequestAcceptance, geometric_gain, window_root
+from vllm_lookahead.planner.acceptance import P_MAX, RequestAcceptance, geometric_gain, window_root
 from vllm_lookahead.attn_mask import tree_size
-from vllm_lookahead.siblings import end_shares_many
+from vllm_lookahead.planner.siblings import end_shares_many
 
 #: Steps a tree is expected to keep running once started, before the engine
 #: has seen any (a fused tree that starts without a checked chain confirms
@@ -106,20 +106,20 @@ class RequestView:
             tokens of the step (:func:`sibling_weights`; 1: all of it).
         verify: seconds vLLM's verifier adds for a draft of the request,
             ``(first token, each next one)``
-            (:meth:`~vllm_lookahead.cost_model.CostModel.verify`).
+            (:meth:`~vllm_lookahead.planner.cost_model.CostModel.verify`).
         lazy: its draft rows are verified lazily (rows past the first
             rejection cost nothing).
         bonus: seconds of ``verify[0]`` a draft saves where it is rejected
             anywhere (its bonus row, sampled lazily only after a wholly
             accepted draft,
-            :meth:`~vllm_lookahead.cost_model.CostModel.bonus`; 0: none).
+            :meth:`~vllm_lookahead.planner.cost_model.CostModel.bonus`; 0: none).
         kinds: the lookup kinds its lookups can return
-            (:func:`~vllm_lookahead.acceptance.possible_kinds`; None: any),
+            (:func:`~vllm_lookahead.planner.acceptance.possible_kinds`; None: any),
             which :meth:`BestCase.of` bounds over.
         switch: seconds a step pays once where any of its requests drafts
             (vLLM's rejection sampler over its plain one, beyond each
             drafting request's ``verify``:
-            :meth:`~vllm_lookahead.cost_model.CostModel.switch`); a plan
+            :meth:`~vllm_lookahead.planner.cost_model.CostModel.switch`); a plan
             charges its requests' largest once.
         search_trees: whether :meth:`Planner.plan`'s search weighs the
             request's trees (False: its bound says none of them pays this
@@ -230,7 +230,7 @@ def sibling_weights(groups: list, remaining: list, slot_value, end_value,
     parent when its last sample ends), in tokens of the step.
 
     Of what a sample's draft is expected to gain, the share that ends the
-    parent sooner (:func:`~vllm_lookahead.siblings.end_shares`, every
+    parent sooner (:func:`~vllm_lookahead.planner.siblings.end_shares`, every
     parent's in one pass: where the sample would end last, by what it
     leaves it behind the next) is worth
     ``end_value(k)`` tokens a parent step (``k``: the parent's live
@@ -294,7 +294,7 @@ class BestCase:
     @classmethod
     def of(cls, views: list["RequestView"], prior, sampled: bool = False) -> "BestCase":
         """The bound of ``views`` (non-empty) and the engine's ``prior``
-        (an :class:`~vllm_lookahead.acceptance.AcceptancePrior`);
+        (an :class:`~vllm_lookahead.planner.acceptance.AcceptancePrior`);
         ``sampled``: every one of the requests samples."""
         # over the kinds each request's lookups can return (all: None), and
         # suffix4 where a tree may leave it a checked chain (valued so)
@@ -424,7 +424,7 @@ class Planner:
     Args:
         cost: anything with ``predict(batch, tokens_per_request, tree,
             drafting) -> seconds`` (a
-            :class:`~vllm_lookahead.cost_model.CostModel`).
+            :class:`~vllm_lookahead.planner.cost_model.CostModel`).
         fused: trees ride in the verification forward (else a second pass).
         sweeps: coordinate-ascent sweeps per step.
     """
@@ -947,7 +947,7 @@ class Planner:
 
     def explore_due(self, acc) -> bool:
         """Whether a request of acceptance ``acc`` (a
-        :class:`~vllm_lookahead.acceptance.RequestAcceptance`) is due an
+        :class:`~vllm_lookahead.planner.acceptance.RequestAcceptance`) is due an
         exploration tree: it has run none and the engine's prior knows
         fewer than :attr:`EXPLORE_KNOWN` trees, or its last tree (or, with
         the prior known, its start) is :attr:`EXPLORE_AFTER` steps back."""

@@ -84,7 +84,7 @@ class TopPCounts:
     """Rows seen by :func:`top_k_top_p_rows` and rows left to the fallback;
     draft rows of sampled requests handed to :func:`verify_sampled_rows`
     and rows it computed; requests of drafting steps whose bonus tokens
-    :func:`~vllm_lookahead.lazy_bonus.forward` handled, and the bonus rows
+    :func:`~vllm_lookahead.cpu.lazy_bonus.forward` handled, and the bonus rows
     it sampled (the others were not used)."""
 
     rows: int = 0

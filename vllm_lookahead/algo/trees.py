@@ -37,7 +37,7 @@ class TreeAsk:
         window: window columns wanted (0: none).
         cands: the root's candidates, at most g, as ``(continuation, count,
             source)`` with N-1 token continuations
-            (:func:`~vllm_lookahead.drafting.candidates`).
+            (:func:`~vllm_lookahead.algo.drafting.candidates`).
         root: the root token; root_pos: its position (the tree reads
             ``root_pos`` cached tokens).
         levels: int32 [N-1, W] the request's Jacobi window levels.

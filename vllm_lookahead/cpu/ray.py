@@ -16,7 +16,7 @@ not support ray``. Two things are missing, both small:
   resource. A CPU worker has no device id, so the worker classes of both of
   vLLM's Ray executors (``RayExecutorV2``, the default, and
   ``RayDistributedExecutor``) are swapped for subclasses in
-  :mod:`~vllm_lookahead.ray_worker` that answer with none.
+  :mod:`~vllm_lookahead.cpu.ray_worker` that answer with none.
 
 Opt in with ``LOOKAHEAD_RAY_ON_CPU=1`` in the environment of the process
 that creates the engine. Without it, or on a platform that already supports
@@ -52,7 +52,7 @@ def enable() -> bool:
     if current_platform.ray_device_key not in ("", RAY_CPU_RESOURCE):
         return False  # a CPU platform that supports Ray on its own
     try:
-        from vllm_lookahead.ray_worker import CpuRayWorkerProc, CpuRayWorkerWrapper
+        from vllm_lookahead.cpu.ray_worker import CpuRayWorkerProc, CpuRayWorkerWrapper
     except ImportError:  # Ray is not installed: vLLM reports that itself
         return False
     from vllm.v1.executor import ray_executor, ray_executor_v2
