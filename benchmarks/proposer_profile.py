@@ -110,7 +110,6 @@ PARTS = (
     ("planner.step", "StepDrafter", "_weights", "samples' weights taken", ()),
     ("planner.step", "StepDrafter", "_plan", "_plan", ()),
     ("planner.step", "StepDrafter", "_fused_plan", "_fused_plan", ()),
-    ("planner.step", "QuietBatches", "keep", "QuietBatches.keep", ()),
     ("planner.planner", "Planner", "plan", "Planner.plan", ()),
     ("algo.memory", "SharedMemory", "extend", "SharedMemory.extend", ()),
     ("algo.memory", "SharedMemory", "lookup_vote", "SharedMemory.lookup_vote", ()),
@@ -121,8 +120,6 @@ PARTS = (
     ("algo.drafting", None, "lookup", "lookup", ("planner.step",)),
     ("algo.drafting", None, "unchecked_draft", "unchecked_draft", ("planner.step",)),
     ("planner.step", None, "_request_view", "_request_view", ()),
-    ("planner.step", None, "_cannot_pay", "_cannot_pay", ()),
-    ("planner.step", None, "_trees_pay", "_trees_pay", ()),
     ("planner.step", None, "sibling_weights", "sibling_weights", ()),
 )
 

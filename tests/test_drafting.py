@@ -461,13 +461,12 @@ def test_a_step_whose_budget_cuts_windows_twice_counts_once():
     assert stats.steps_window_off == 1
 
 
-def test_quiet_batch_skips_mature_requests_and_keeps_young_ones():
-    """A machine where nothing can pay: once a request's acceptance has
-    been checked on MATURE lookups, quiet steps leave it out (no lookup, no
-    planning); a request that has not is still planned every step."""
+def test_a_step_where_nothing_pays_leaves_every_request_off_unsearched():
+    """A machine where nothing can pay: every request is looked up (its
+    lookup is scored either way) and left off without the planner's search
+    (``requests_unpaid``); the step is timed as planned, all off."""
     from vllm_lookahead.planner.cost_model import CostCurve, CostModel
     from vllm_lookahead.planner.planner import Planner
-    from vllm_lookahead.planner.step import QuietBatches
 
     cfg = LookaheadConfig(ngram_size=3, window_size=2, guess_set_size=2, mode="fused")
     stats = LookaheadStats()
@@ -478,22 +477,19 @@ def test_quiet_batch_skips_mature_requests_and_keeps_young_ones():
     text = [4, 5, 6, 9, 4, 5]
     tokens = np.zeros((2, 64), dtype=np.int32)
     tokens[:, : len(text)] = text
-    old, young = (new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
-                            tokens[i], len(text), len(text), None, False, 0, prior)
-                  for i in range(2))
-    old.acc.seen = QuietBatches.MATURE
-    live = [Live(0, old, len(text), 3, []), Live(1, young, len(text), 3, [])]
+    states = [new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
+                        tokens[i], len(text), len(text), None, False, 0, prior)
+              for i in range(2)]
+    live = [Live(i, s, len(text), 3, []) for i, s in enumerate(states)]
 
     def no_trees(rows):  # pragma: no cover - must not run
         raise AssertionError(rows)
 
-    step.run(live, 2, 2, 3, True, tokens, no_trees)  # a request joined: full step
-    assert stats.steps_quiet == 0 and old.lookup and young.lookup
-    drafts, planned = step.run(live, 2, 2, 3, False, tokens, no_trees)
-    assert stats.steps_quiet == 1
-    assert old.lookup == [] and young.lookup  # the young one was looked up
-    assert drafts == [[], []] and planned == (2, 1.0, False, 0, 0.0, None)
-    assert stats.shape_steps["off"] == 4
+    for joined in (True, False):
+        drafts, planned = step.run(live, 2, 2, 3, joined, tokens, no_trees)
+        assert all(s.lookup for s in states)
+        assert drafts == [[], []] and planned == (2, 1.0, False, 0, 0.0, None)
+    assert stats.requests_unpaid == 4 and stats.shape_steps["off"] == 4
 
 
 def _planned_step(p_unchecked: float, per_token: float, rows: int, **cfg):
@@ -515,20 +511,17 @@ def _planned_step(p_unchecked: float, per_token: float, rows: int, **cfg):
     return step, stats, prior, text, tokens
 
 
-def test_a_request_whose_own_bound_cannot_pay_is_left_out():
-    """A step where one request's drafts may pay is not quiet, but a mature
-    request whose own acceptance (and the engine's prior) could not pay for
-    any draft or tree, with the others off, is left out of it
-    (``requests_quiet``); the one that may pay is looked up and drafts."""
+def test_a_request_that_cannot_pay_is_left_off_unsearched():
+    """A request whose lookup's drafts and trees could not pay with the
+    others off is off without the planner's search (``requests_unpaid``);
+    the one that may pay drafts."""
     from vllm_lookahead.planner.acceptance import LOOKUP_KINDS
-    from vllm_lookahead.planner.step import QuietBatches
 
     step, stats, prior, text, tokens = _planned_step(0.1, 0.3, rows=2)
     strong, weak = (new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
                               tokens[i], len(text), len(text), None, False, 0, prior)
                     for i in range(2))
     for st, p in ((strong, 0.95), (weak, 0.01)):
-        st.acc.seen = QuietBatches.MATURE
         for kind in LOOKUP_KINDS:
             st.acc.unchecked[kind].hits, st.acc.unchecked[kind].misses = 100 * p, 100 * (1 - p)
     live = [Live(0, strong, len(text), 3, []), Live(1, weak, len(text), 3, [])]
@@ -536,81 +529,24 @@ def test_a_request_whose_own_bound_cannot_pay_is_left_out():
     def no_trees(rows):  # pragma: no cover - must not run
         raise AssertionError(rows)
 
-    drafts, _ = step.run(live, 2, 2, 3, True, tokens, no_trees)  # joined: full step
-    assert stats.requests_quiet == 0 and weak.lookup
-    assert drafts[0] == [6, 9, 4] and drafts[1] == []
-    drafts, _ = step.run(live, 2, 2, 3, False, tokens, no_trees)
-    assert stats.steps_quiet == 0 and stats.requests_quiet == 1
-    assert weak.lookup == [] and strong.lookup
-    assert drafts[0] == [6, 9, 4] and drafts[1] == []
-    # a weak request is still planned where the batch's bound pays but its
-    # own was never taken (no full step yet: a request that just matured)
-    weak.quiet_best = None
-    step.run(live, 2, 2, 3, False, tokens, no_trees)
-    assert stats.requests_quiet == 1 and weak.lookup
-
-
-def test_the_search_leaves_out_trees_a_requests_bound_says_cannot_pay(monkeypatch):
-    """A mature request whose quiet bound's trees cannot pay (the prior's
-    tree gains 0) is planned with its drafts only (``search_trees`` False);
-    one whose trees may pay, one with a checked chain (its tree run goes
-    on) and a young one are planned with their trees."""
-    from vllm_lookahead.planner.acceptance import LOOKUP_KINDS
-    from vllm_lookahead.planner.step import QuietBatches, _trees_pay
-
-    step, stats, prior, text, tokens = _planned_step(0.9, 0.001, rows=2)
-    states = [new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
-                        tokens[i], len(text), len(text), None, False, 0, prior)
-              for i in range(2)]
-    for st in states:
-        st.acc.seen = QuietBatches.MATURE
-        for kind in LOOKUP_KINDS:
-            st.acc.unchecked[kind].hits, st.acc.unchecked[kind].misses = 90, 10
-    live = [Live(i, st, len(text), 3, []) for i, st in enumerate(states)]
-    seen = []
-    orig = step.planner.plan
-
-    def plan(views, *args, **kwargs):
-        seen.append([v.search_trees for v in views])
-        return orig(views, *args, **kwargs)
-
-    monkeypatch.setattr(step.planner, "plan", plan)
-    step.run(live, 2, 2, 3, True, tokens, lambda rows: [])  # joined: the bounds taken
-    assert seen[-1] == [False, False]
-    assert all(not st.plan for st in states)  # no tree planned
-    # trees that pay (their gains learnt high): weighed again
-    hopeful = states[1]
-    hopeful.acc.tree_cands = [2.0, 2.0]
-    hopeful.quiet_best = None
-    step.quiet._bound(live[1], 3, True)
-    assert not _trees_pay(step.planner, live[0], _view(live[0], tokens), 2)
-    assert _trees_pay(step.planner, live[1], _view(live[1], tokens), 2)
-    # a checked chain, or a young request: weighed whatever the bound
-    chained = Live(0, states[0], len(text), 3, [6, 9, 4])
-    assert _trees_pay(step.planner, chained, _view(chained, tokens), 2)
-    states[0].acc.seen = QuietBatches.MATURE - 1
-    assert _trees_pay(step.planner, live[0], _view(live[0], tokens), 2)
-
-
-def _view(r, tokens):
-    from vllm_lookahead.planner.step import _request_view
-
-    return _request_view(r, tokens, True)
+    for joined in (True, False):
+        drafts, _ = step.run(live, 2, 2, 3, joined, tokens, no_trees)
+        assert weak.lookup and strong.lookup
+        assert drafts[0] == [6, 9, 4] and drafts[1] == []
+    assert stats.requests_unpaid == 2
 
 
 def test_requests_left_off_after_their_lookup_are_off_in_the_full_plan(monkeypatch):
-    """A mature request whose lookup cannot pay with the others off is left
+    """A request whose lookup cannot pay with the others off is left
     off without the planner's search (``requests_unpaid``), and the step's
     drafts are the ones the planner gives with every request searched:
     random batches of requests of random acceptance, room and weight."""
     import copy
     import random
 
-    import vllm_lookahead.planner.step as step_mod
     from vllm_lookahead.planner.acceptance import LOOKUP_KINDS
     from vllm_lookahead.planner.cost_model import CostCurve, CostModel
     from vllm_lookahead.planner.planner import Planner
-    from vllm_lookahead.planner.step import QuietBatches
 
     rng = random.Random(5)
     left_off = 0
@@ -630,7 +566,6 @@ def test_requests_left_off_after_their_lookup_are_off_in_the_full_plan(monkeypat
         for i in range(rows):
             st = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
                            tokens[i], len(text), len(text), None, False, 0, prior)
-            st.acc.seen = QuietBatches.MATURE
             p = rng.random()
             for kind in LOOKUP_KINDS:
                 st.acc.unchecked[kind].hits, st.acc.unchecked[kind].misses = 100 * p, 100 * (1 - p)
@@ -642,7 +577,7 @@ def test_requests_left_off_after_their_lookup_are_off_in_the_full_plan(monkeypat
         left_off += stats.requests_unpaid
         full = [[] for _ in range(rows)]
         with monkeypatch.context() as m:
-            m.setattr(step_mod, "_cannot_pay", lambda *args, **kw: False)
+            m.setattr(Planner, "_prune", lambda self, views, options, *a: options)
             before = stats.requests_unpaid
             step._plan(full_live, full, tokens, weights=weights)
             assert stats.requests_unpaid == before
@@ -650,29 +585,22 @@ def test_requests_left_off_after_their_lookup_are_off_in_the_full_plan(monkeypat
     assert left_off > 100  # most of the weak or unweighted ones
 
 
-def test_young_requests_and_trees_left_off_after_their_lookup_are_off_in_the_full_plan(
-        monkeypatch):
-    """Young requests (checked on fewer than MATURE lookups) and trees too:
-    a request whose lookup's drafts and own trees this step cannot pay
-    with the others off is left off without the planner's search, and the
-    step's drafts and trees are the ones the planner gives with every
-    request searched (random batches, acceptance, tree estimates, room,
-    weights and ages; the two plans from copies of one planner). No
-    exploration credit: the planner gives its exploration tree to the
-    searched requests in turn, so which one explores depends on who was
-    searched."""
+def test_trees_left_off_after_their_lookup_are_off_in_the_full_plan(monkeypatch):
+    """With trees: a request none of whose drafts and trees this step could
+    pay with the others off is left off without the planner's search, and
+    the step's drafts and trees are the ones the planner gives with every
+    shape of every request searched (random batches, acceptance, tree
+    estimates, room and weights; the two plans from copies of one planner,
+    no exploration credit)."""
     import copy
     import random
 
-    import vllm_lookahead.planner.step as step_mod
     from vllm_lookahead.planner.acceptance import LOOKUP_KINDS
     from vllm_lookahead.planner.cost_model import CostCurve, CostModel
     from vllm_lookahead.planner.planner import Planner
-    from vllm_lookahead.planner.step import QuietBatches
 
     rng = random.Random(11)
-    cannot_pay = step_mod._cannot_pay
-    left_off = young_off = trees_planned = 0
+    left_off = trees_planned = 0
     for _ in range(80):
         rows = rng.randint(2, 10)
         step, stats, prior, text, tokens = _planned_step(0.3, rng.choice([0.001, 0.01, 0.05]),
@@ -687,7 +615,6 @@ def test_young_requests_and_trees_left_off_after_their_lookup_are_off_in_the_ful
         for i in range(rows):
             st = new_state(RequestSettings(ngram_size=3, window_size=2, guess_set_size=2),
                            tokens[i], len(text), len(text), None, False, 0, prior)
-            st.acc.seen = rng.choice([0, QuietBatches.MATURE - 1, QuietBatches.MATURE])
             st.acc.tree_runs = rng.choice([0, 1])
             p = rng.random()
             for kind in LOOKUP_KINDS:
@@ -696,31 +623,21 @@ def test_young_requests_and_trees_left_off_after_their_lookup_are_off_in_the_ful
             st.acc.tree_cands = [good * rng.random(), good * rng.random()]
             st.acc.tree_window = good * rng.random()
             live.append(Live(i, st, len(text), rng.randint(0, 3), []))
-        for r in live:
-            step.quiet._bound(r, 3, True)
         weights = [rng.uniform(0.0, 2.0) for _ in live]
         full_step, full_live = copy.deepcopy((step, live))
         drafts = [[] for _ in range(rows)]
-        with monkeypatch.context() as m:
-            def counted(planner, r, *args, **kw):
-                nonlocal young_off
-                off = cannot_pay(planner, r, *args, **kw)
-                young_off += off and r.state.acc.seen < QuietBatches.MATURE
-                return off
-
-            m.setattr(step_mod, "_cannot_pay", counted)
-            trees, _ = step._plan(live, drafts, tokens, weights=weights)
+        trees, _ = step._plan(live, drafts, tokens, weights=weights)
         left_off += stats.requests_unpaid
         full = [[] for _ in range(rows)]
         with monkeypatch.context() as m:
-            m.setattr(step_mod, "_cannot_pay", lambda *args, **kw: False)
+            m.setattr(Planner, "_prune", lambda self, views, options, *a: options)
             full_trees, _ = full_step._plan(full_live, full, tokens, weights=weights)
             assert full_step.stats.requests_unpaid == 0
         assert drafts == full
         assert [(t[0].i, t[1], t[2]) for t in trees] == [(t[0].i, t[1], t[2])
                                                           for t in full_trees]
         trees_planned += len(trees)
-    assert left_off > 100 and young_off > 50 and trees_planned > 20
+    assert left_off > 100 and trees_planned > 20
 
 
 def test_planner_counts_requests_left_out_as_off():

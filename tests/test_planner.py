@@ -18,11 +18,10 @@ from vllm_lookahead.planner.acceptance import (
     AcceptancePrior,
     RequestAcceptance,
     geometric_gain,
-    possible_kinds,
 )
 from vllm_lookahead.planner.cost_cache import CostCache, cache_key, load_curve
 from vllm_lookahead.planner.cost_model import CostCurve, CostModel, bucket_of, measure_curve
-from vllm_lookahead.planner.planner import OFF, BestCase, Planner, RequestView, Shape
+from vllm_lookahead.planner.planner import OFF, Planner, RequestView, Shape
 
 # -- synthetic machines ----------------------------------------------------------
 STEP = 0.05  # seconds of a 1-token step
@@ -61,6 +60,19 @@ HIGH = dict(p_unchecked=0.8, tree_by_g=[1.6, 2.0, 2.2, 2.3, 2.4, 2.4, 2.4, 2.4],
 ZERO = dict(p_unchecked=0.0, tree_by_g=[0.0] * 8, window_extra=0.0)
 
 
+def rate(planner, shapes):
+    """Expected tokens per second of a step run with ``shapes``."""
+    q = sum(s.query for s in shapes)
+    sec = planner.cost.predict(len(shapes), q / len(shapes), tree=any(s.kind == "tree" for s in shapes),
+                               drafting=sum(s.query > 1 for s in shapes))
+    return sum(s.tokens for s in shapes) / (sec + sum(s.extra_s for s in shapes))
+
+
+def unpruned(monkeypatch):
+    """Plans of every planner weigh every shape of every request."""
+    monkeypatch.setattr(Planner, "_prune", lambda self, views, options, *a: options)
+
+
 def view(acc, chain=0, unchecked=4, n=5, w=7, g=8, room=5, **kw):
     return RequestView(acc=acc, ngram_size=n, window_size=w, guess_set_size=g, room=room,
                        chain=chain, unchecked=unchecked, **kw)
@@ -85,7 +97,7 @@ def test_amx_like_tree_fits_the_free_size():
     (shape,) = planner.plan([view(acceptance(**HIGH), chain=3)])
     assert shape.kind == "tree"
     assert shape.query <= 24  # about the free size, not the full (N-1)(W+G) = 60
-    assert planner.predicted_rate([shape]) > planner.predicted_rate([OFF]) * 1.5
+    assert rate(planner, [shape]) > rate(planner, [OFF]) * 1.5
 
 
 def test_avx2_bf16_like_no_tree_but_a_draft():
@@ -113,7 +125,7 @@ def test_never_explores_a_tree_costing_several_steps_for_a_small_gain():
         assert shape.kind != "tree"
         tree = [s for s in planner.shapes(view(RequestAcceptance(prior), chain=chain), 1)
                 if s.kind == "tree"]
-        assert min(planner.predicted_rate([t]) for t in tree) < planner.predicted_rate([OFF])
+        assert min(rate(planner, [t]) for t in tree) < rate(planner, [OFF])
 
 
 def test_batch_shares_the_cost():
@@ -123,10 +135,10 @@ def test_batch_shares_the_cost():
     views = [view(acceptance(**HIGH), chain=3) for _ in range(8)]
     plan = planner.plan(views)
     assert sum(s.query for s in plan) <= 8 * 8
-    assert planner.predicted_rate(plan) >= planner.predicted_rate([OFF] * 8)
+    assert rate(planner, plan) >= rate(planner, [OFF] * 8)
     # and it beats every uniform plan of one shape
     for s in planner.shapes(views[0], 8):
-        assert planner.predicted_rate(plan) >= planner.predicted_rate([s] * 8) * 0.999
+        assert rate(planner, plan) >= rate(planner, [s] * 8) * 0.999
 
 
 def test_fixed_and_no_tree_views():
@@ -164,14 +176,7 @@ def test_catch_up_is_priced():
     assert all(a.tokens < b.tokens for a, b in zip(without, long_run))
 
 
-# -- acceptance ----------------------------------------------------------------------
-# -- the quiet-batch bound -----------------------------------------------------------
-def batch_cost(per_token):
-    """A batch-16 machine where each extra query token costs ``per_token`` of
-    a step (vanilla cost grows with the batch too)."""
-    return CostModel(curve_from(lambda total: 1.0 + per_token * (total - 1)))
-
-
+# -- what pays, and the search's shortcut -------------------------------------------
 @pytest.mark.parametrize("fn,batch,acc,pays", [
     (gpu, 16, HIGH, True),  # tokens free: drafts pay
     (amx, 1, HIGH, True),
@@ -181,76 +186,62 @@ def batch_cost(per_token):
     # no draft is ever accepted, but trees confirm tokens: a tree pays
     (gpu, 16, dict(p_unchecked=0.0, tree_by_g=HIGH["tree_by_g"], window_extra=0.5), True),
 ])
-def test_any_pays_on_the_machine_kinds(fn, batch, acc, pays):
+def test_drafts_and_trees_pay_on_the_machine_kinds(fn, batch, acc, pays):
     views = [view(acceptance(**acc)) for _ in range(batch)]
-    prior = views[0].acc.prior
     planner = Planner(model(fn))
-    assert planner.any_pays(batch, BestCase.of(views, prior)) is pays
     plan = planner.plan(views)
     assert (plan != [OFF] * batch) is pays
 
 
-def test_any_pays_false_means_the_plan_is_all_off():
-    """The bound is safe: on random batches, whenever it says nothing pays,
-    the planner plans every request off (whatever each found to draft)."""
+def test_shapes_left_out_of_the_search_could_never_pay(monkeypatch):
+    """``Planner._paying`` is safe: on random batches (machines, verifiers,
+    switches, calibration, weights, fused or not) the plan is the one of a
+    search that weighs every shape of every request, and a request alone
+    among the others off too."""
     rng = random.Random(0)
-    quiet = alone_off = 0
-    for trial in range(400):
+    left_off = 0
+    for trial in range(300):
         fn = rng.choice([amx, avx2_bf16, gpu, lambda t: 1 + 0.06 * (t - 1),
                          lambda t: 1 + 0.02 * (t - 1)])
         verify = {} if rng.random() < 0.3 else {
-            kind: {b: (rng.uniform(0, 0.3) * STEP, rng.uniform(0, 0.1) * STEP, 0.0,
+            kind: {b: (rng.uniform(0, 0.3) * STEP, rng.uniform(0, 0.1) * STEP,
+                       rng.choice([0.0, rng.uniform(0, 0.3) * STEP]),
                        rng.choice([0.0, rng.uniform(0, 0.3) * STEP]))
                    for b in (1, 4, 16)} for kind in ("sampled", "greedy")}
         cost = CostModel(CostCurve(curve_from(fn).points, verify))
-        planner = Planner(cost, fused=rng.random() < 0.7)
+        fused, lazy = rng.random() < 0.7, rng.random() < 0.5
         prior = AcceptancePrior(max_cands=8, p_unchecked=rng.uniform(0, 0.6),
                                 p_checked=rng.uniform(0.5, 1.0))
-        # the unchecked gains as the planner scales them (the bounds too)
-        prior.calibration = cal = rng.choice([1.0, rng.uniform(0.3, 1.5)])
-        batch = rng.choice([1, 2, 4, 8, 16, 24])
-        share = rng.choice([0.0, 0.5, 1.0])  # of the requests that sample
-        views, sampled = [], []
+        prior.calibration = rng.choice([1.0, rng.uniform(0.3, 1.5)])
+        batch = rng.choice([1, 2, 4, 8, 16])
+        views = []
         for _ in range(batch):
-            sampled.append(rng.random() < share)
+            sampled = rng.random() < 0.5
             acc = RequestAcceptance(prior)
             for kind in acc.unchecked:
                 acc.unchecked[kind].hits = rng.uniform(0, 4)
                 acc.unchecked[kind].misses = rng.uniform(0.1, 9)
             acc.tree_cands = sorted(rng.uniform(0, 1.5) for _ in acc.tree_cands)
-            n, w, g = rng.randint(2, 6), rng.randint(0, 7), rng.randint(1, 8)
-            # the kinds its lookups can return (all, or those its settings
-            # allow), and this step's lookup of one of them
-            kinds = (None if rng.random() < 0.3 else
-                     possible_kinds(rng.random() < 0.8, rng.random() < 0.3, rng.random() < 0.5))
-            kind = rng.choice(kinds or LOOKUP_KINDS)
-            kind += rng.choice(["", "+", "-"]) if kind != "pool" else ""
+            kind = rng.choice(LOOKUP_KINDS)
+            kind += rng.choice(["", "+", "-"]) if kind not in ("pool", "poolsplit", "memory1") else ""
             views.append(view(acc, chain=rng.choice([0, 0, 2]), unchecked=rng.randint(0, 5),
-                              n=n, w=w, g=g, room=rng.randint(0, 5), kinds=kinds,
-                              lookup_kind=kind, trees=rng.random() < 0.8,
-                              verify=cost.verify(batch, sampled[-1]),
-                              switch=cost.switch(batch, sampled[-1])))
-        # no request could pay beside another drafting one (nor, on its
-        # own, as the step's only drafting one, which pays the switch):
-        # the plan is all off
-        if not planner.any_pays(batch, BestCase.of(views, prior, sampled=all(sampled)),
-                                calibration=cal, alone=batch < 2):
-            quiet += 1
-            assert all(s == OFF for s in planner.plan(views)), trial
-        # each request's own bound (step.QuietBatches): where it says
-        # nothing pays, the request alone among the others off is planned
-        # off; the bounds joined are a bound of the batch
-        own = [BestCase.of([v], prior, sampled=s) for v, s in zip(views, sampled)]
-        joined = own[0]
-        for best in own[1:]:
-            joined = joined.join(best)
-        if not planner.any_pays(batch, joined, calibration=cal, alone=batch < 2):
-            assert all(s == OFF for s in planner.plan(views)), trial
-        for v, best in zip(views, own):
-            if not planner.any_pays(batch, best, calibration=cal):
-                alone_off += 1
-                assert planner.plan([v], others=batch - 1) == [OFF], trial
-    assert quiet >= 10 and alone_off >= 50  # the cases are exercised
+                              n=rng.randint(2, 6), w=rng.randint(0, 7), g=rng.randint(1, 8),
+                              room=rng.randint(0, 5), lookup_kind=kind,
+                              trees=rng.random() < 0.8, weight=rng.choice([1.0, rng.uniform(0, 2)]),
+                              verify=cost.verify(batch, sampled), lazy=lazy and sampled,
+                              bonus=cost.bonus(batch, True) if lazy else 0.0,
+                              switch=cost.switch(batch, sampled)))
+
+        def plans(planner):
+            return planner.plan(views), [planner.plan([v], others=batch - 1) for v in views]
+
+        pruned = Planner(cost, fused=fused)
+        got = plans(pruned)
+        left_off += pruned.left_off
+        with monkeypatch.context() as m:
+            unpruned(m)
+            assert got == plans(Planner(cost, fused=fused)), trial
+    assert left_off >= 500  # the cases are exercised
 
 
 def test_a_step_pays_the_verifiers_switch_once():
@@ -279,30 +270,6 @@ def test_a_step_pays_the_verifiers_switch_once():
     assert plan[0].draft > 0 and plan[1] == OFF
     # the weak one alone does not pay the switch
     assert shared.plan([req(weak, row[3])]) == [OFF]
-    best = BestCase.of([req(weak, row[3])], prior)
-    alone, beside = shared.pay_weights(2, best, alone=True), shared.pay_weights(2, best)
-    assert alone[0] > beside[0] and alone[1] == beside[1]
-
-
-def test_pay_weights_keep_their_prices_only_while_the_cost_model_does():
-    """``Planner.pay_weights`` keeps the drafts' prices between two of the
-    cost model's agreements (a request's own rate is weighed against them
-    every step): the same answers as a planner that kept nothing, before
-    and after an agreement that makes every plain step dearer (it moves
-    them)."""
-    def pairs(planner, cm):
-        return [planner.pay_weights(b, BestCase(p_unchecked=p, max_draft=k, trees={},
-                                                sampled=True), alone)
-                for b in (1, 4, 16) for p in (0.2, 0.6) for k in (2, 5) for alone in (0, 1)]
-
-    cm = model(amx)
-    kept = Planner(cm)
-    before = pairs(kept, cm)
-    assert before == pairs(Planner(cm), cm)
-    line = (2 * cm.predict(16, 1.0, tree=False), 0.0, 0.001, 0.0)
-    cm.agreed({(b, False): line for b in (1, 4, 16)})
-    after = pairs(kept, cm)
-    assert after == pairs(Planner(cm), cm) and after != before
 
 
 def test_drafts_that_pay_only_together_are_planned_together():
@@ -335,63 +302,6 @@ def test_drafts_that_pay_only_together_are_planned_together():
         planner.cost.predict(8, sum(s.query for s in plan) / 8, tree=False, drafting=8)
         + sum(s.extra_s for s in plan) + row[3])
     assert rate > 8 / planner.cost.predict(8, 1.0, tree=False)
-
-
-def test_the_bound_takes_only_the_kinds_a_request_can_draft():
-    """Without lookups past N nor the shared memory, a request's bound
-    leaves out the long own-text kinds and the memory's, whatever the
-    prior holds for them."""
-    prior = AcceptancePrior(max_cands=4, p_unchecked=0.3)
-    acc = RequestAcceptance(prior)
-    prior.p_unchecked["suffix24"] = prior.p_unchecked["memory12"] = 0.9
-    acc.unchecked["suffix16"].hits = 1000.0
-    every = BestCase.of([view(acc)], prior)
-    own = BestCase.of([view(acc, kinds=possible_kinds(True, False, False))], prior)
-    factor = max(1.0, prior.max_agreement_factor())
-    assert every.p_unchecked == pytest.approx(min(0.9 * factor, 0.98), abs=0.1)
-    assert own.p_unchecked == pytest.approx(
-        min(max(prior.p_unchecked["suffix4"], acc.unchecked["suffix4"].p) * factor, 0.98))
-    assert own.p_unchecked < every.p_unchecked
-    assert possible_kinds(False, True, False) == ("pool", "poolsplit")
-    assert set(possible_kinds(True, True, True)) == set(LOOKUP_KINDS)
-
-
-def test_pay_weight_is_where_any_shape_starts_to_pay():
-    """``any_pays`` at a weight is the bound's test of each shape, weight
-    times gain against its cost in tokens of the plain step; ``pay_weight``
-    is where the first shape passes it."""
-    from vllm_lookahead.planner.planner import draft_lengths
-
-    rng = random.Random(1)
-    for trial in range(200):
-        fn = rng.choice([amx, avx2_bf16, gpu, lambda t: 1 + 0.06 * (t - 1)])
-        planner = Planner(CostModel(curve_from(fn)))
-        prior = AcceptancePrior(max_cands=4, p_unchecked=rng.uniform(0, 0.9))
-        acc = RequestAcceptance(prior)
-        acc.tree_cands = sorted(rng.uniform(0, 2.0) for _ in acc.tree_cands)
-        v = view(acc, n=rng.randint(2, 6), w=rng.randint(0, 4), g=rng.randint(1, 4),
-                 room=rng.randint(0, 6))
-        best = BestCase.of([v], prior, sampled=rng.random() < 0.5)
-        batch = rng.choice([1, 2, 4, 16])
-        c0 = planner.cost.predict(batch, 1.0, tree=False)
-        first, nxt = planner.verify_seen(batch, True)
-        if not best.sampled:
-            g_first, g_next = planner.verify_seen(batch, False)
-            first, nxt = min(first, g_first), min(nxt, g_next)
-
-        def cost(query, tree, extra=0.0):
-            sec = planner.cost.predict(batch, (batch - 1 + query) / batch, tree=tree, drafting=1)
-            return batch / c0 * (sec + extra - c0) + 1e-12
-
-        shapes = ([(geometric_gain(best.p_unchecked, k), cost(1 + k, False, first + nxt * (k - 1)))
-                   for k in draft_lengths(best.max_draft)] if best.max_draft > 0 else [])
-        shapes += [(gain, cost(1 + nodes, True)) for gain, nodes in best.trees.values()] \
-            if best.max_draft > 0 else []
-        least = planner.pay_weight(batch, best)
-        for w in (0.0, 0.3, 1.0, 2.5, 7.0):
-            ref = any(w * gain > c for gain, c in shapes)
-            if abs(w - least) > 1e-9 * max(1.0, abs(least)):
-                assert planner.any_pays(batch, best, w) is ref, (trial, w, least)
 
 
 def test_geometric_gain():
@@ -977,6 +887,8 @@ def test_exploration_is_bounded_priced_and_stops_once_learnt():
     plans = [planner.plan([v], explore=True)[0] for _ in range(400)]
     trees = [s for s in plans if s.kind == "tree"]
     assert 0 < len(trees) < 40 and planner.explored == len(trees)
+    # no tree of it could pay: left out of the search, explored all the same
+    assert planner.left_off == 400
     assert planner.explore_s <= Planner.EXPLORE_SHARE * planner.planned_s + 1e-12
     off = planner.cost.predict(1, 1.0)
     assert all(planner.cost.predict(1, s.query, tree=True) <= 1.5 * off + 1e-12 for s in trees)
@@ -1014,29 +926,8 @@ def test_a_new_request_is_not_explored_once_the_engine_knows_trees():
     assert not Planner(model(amx)).explore_due(known)
     late = first_tree(known)
     assert late is not None and late >= Planner.EXPLORE_AFTER
-    # the same rule tells the quiet batches (step._cannot_pay) an exploration is due
     known.since_tree = Planner.EXPLORE_AFTER
     assert Planner(model(amx)).explore_due(known)
-
-
-def test_trees_left_out_of_the_search_are_still_explored():
-    """``RequestView.search_trees`` False (its bound says no tree of it
-    pays, ``step._trees_pay``): the search weighs its drafts only, even
-    where a tree would be its best shape, but exploration still gives it a
-    tree within its share of the planned time."""
-    planner = Planner(model(amx))
-    high = view(acceptance(**HIGH), chain=2, unchecked=0)
-    assert planner.plan([high])[0].kind == "tree"  # weighed: a tree wins
-    left = view(acceptance(**HIGH), chain=2, unchecked=0, search_trees=False)
-    assert all(s.kind != "tree" for s in planner.shapes(left, 1))
-    assert any(s.kind == "tree" for s in planner.shapes(left, 1, trees=True))
-    assert planner.plan([left])[0].kind == "draft"
-    explorer = Planner(model(amx))
-    v = view(acceptance(**ZERO), chain=0, unchecked=0, search_trees=False)
-    plans = [explorer.plan([v], explore=True)[0] for _ in range(400)]
-    trees = [s for s in plans if s.kind == "tree"]
-    assert 0 < len(trees) < 40 and explorer.explored == len(trees)
-    assert explorer.explore_s <= Planner.EXPLORE_SHARE * explorer.planned_s + 1e-12
 
 
 # -- samples of one parent ----------------------------------------------------------
@@ -1272,20 +1163,6 @@ def test_verify_costs_interpolate_by_batch_and_kind():
     assert "verify_ms" in CostModel(c).snapshot()
 
 
-def test_a_batch_whose_drafts_pay_only_before_verification_is_quiet():
-    """any_pays counts a draft's verification, at least the sampled kind's
-    where every request samples (else the cheaper kind's)."""
-    pts = curve_from(lambda t: 1 + 0.02 * (t - 1)).points
-    cost = CostModel(CostCurve(pts, {"sampled": {1: (0.2 * STEP, 0.05 * STEP)},
-                                     "greedy": {1: (0.01 * STEP, 0.0)}}))
-    planner = Planner(cost)
-    prior = AcceptancePrior(max_cands=8, p_unchecked=0.15)
-    views = [view(RequestAcceptance(prior), trees=False) for _ in range(4)]
-    assert not planner.any_pays(4, BestCase.of(views, prior, sampled=True))
-    assert planner.any_pays(4, BestCase.of(views, prior, sampled=False))
-    assert Planner(CostModel(CostCurve(pts))).any_pays(4, BestCase.of(views, prior, sampled=True))
-
-
 def test_a_draft_that_pays_on_the_forward_alone_waits_for_its_verification():
     # bf16 AVX-512-like: a draft token adds 2% of a step to the forward
     planner = Planner(CostModel(CostCurve.flat(0.03, 0.02)))
@@ -1378,28 +1255,6 @@ def test_a_tree_chain_is_priced_as_the_draft_it_hands_the_verifier():
         assert cut.extra_s == pytest.approx(0.004 + 0.002 * (verified_rows(k, p) - 1)
                                             - bonus_saving(0.003, k, p))
         assert cut.extra_s < every.extra_s
-
-
-def test_the_quiet_bound_counts_the_most_a_bonus_row_saves():
-    """any_pays bounds a draft's cost from below: with lazy bonus rows the
-    verification less a whole bonus row, so a sampled batch whose best
-    guess pays only through the saving is not skipped as quiet."""
-    pts = curve_from(lambda t: 1 + 0.02 * (t - 1)).points
-    verify = {"sampled": {1: (0.02 * STEP, 0.01 * STEP, 0.0)},
-              "greedy": {1: (0.01 * STEP, 0.0, 0.0)}}
-    prior = AcceptancePrior(max_cands=8, p_unchecked=0.02)
-    views = [view(RequestAcceptance(prior), trees=False) for _ in range(4)]
-    best = BestCase.of(views, prior, sampled=True)
-    planner = Planner(CostModel(CostCurve(pts, verify)))
-    planner.lazy_verify = True
-    assert not planner.any_pays(4, best)
-    saving = {**verify, "sampled": {1: (0.02 * STEP, 0.01 * STEP, 0.2 * STEP)}}
-    planner = Planner(CostModel(CostCurve(pts, saving)))
-    assert planner.bonus(4) == 0.0  # a verifier that is not lazy skips no row
-    planner.lazy_verify = True
-    assert planner.bonus(4) == pytest.approx(0.2 * STEP)
-    assert planner.any_pays(4, best)
-    assert not planner.any_pays(4, BestCase.of(views, prior, sampled=False))
 
 
 def test_the_cost_model_learns_the_forward_apart_from_the_verification():
@@ -1567,27 +1422,6 @@ def test_a_tree_that_gains_nothing_is_not_planned_where_drafts_look_cheap():
     v = RequestView(acc=acc, ngram_size=4, window_size=1, guess_set_size=0, room=4,
                     trees=True, verify=planner.verify_seen(1, False))
     assert planner.plan([v])[0].kind == "off"
-
-
-def test_may_explore_needs_credit_for_the_tree_step():
-    """``Planner.may_explore``: no credit, no exploration; with credit, a
-    tree whose step (the others off) fits it and 1.5 plain steps may be
-    explored, one whose step does not may not (``step._cannot_pay`` then
-    leaves its request off)."""
-    from vllm_lookahead.planner.cost_model import CostCurve, CostModel
-    from vllm_lookahead.planner.planner import Planner
-
-    # each extra query token costs 10% of a one-request step
-    curve = CostCurve({b: [(t, 0.05 * (1 + 0.1 * (b * t - 1))) for t in (1, 8, 64)]
-                       for b in (1, 2, 4, 8, 16)})
-    planner = Planner(CostModel(curve))
-    assert not planner.may_explore(4, 2)
-    planner.planned_s = 100.0  # 3 s of credit
-    assert planner.may_explore(4, 2)
-    # 40 tree nodes: more than 1.5 plain steps
-    assert not planner.may_explore(4, 40)
-    planner.explore_s = planner.EXPLORE_SHARE * planner.planned_s  # credit spent
-    assert not planner.may_explore(4, 2)
 
 
 def test_cost_caches_answer_as_the_curve_does():

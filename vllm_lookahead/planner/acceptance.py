@@ -84,21 +84,6 @@ AGREEMENT_MIX = {"": 0.625, "+": 0.25, "-": 0.125}
 P_MAX = 0.98
 
 
-def possible_kinds(prompt: bool, long: bool, memory: bool) -> tuple[str, ...]:
-    """The lookup kinds a request's lookups can return (:func:`~vllm_lookahead.
-    drafting.lookup`): the own-text kinds where the prompt pool is on
-    (``prompt``), the long ones only where lookups run past N (``long``),
-    the shared memory's where the request reads it (``memory``), and the
-    pool's guess always."""
-    kinds = []
-    if prompt:
-        kinds += [f"suffix{b}" for b in reversed(LONG_SUFFIX_KINDS)] if long else []
-        kinds += ["suffix4", "suffix3", "suffix2"]
-    if memory:
-        kinds += [k for k in LOOKUP_KINDS if k.startswith("memory")]
-    return (*kinds, "pool", "poolsplit")
-
-
 def pool_kind(counts: list[int], best: int) -> str:
     """The kind of the pool's guess ``best`` among its token's
     continuations seen ``counts`` times (each at least once):
@@ -337,7 +322,6 @@ class AcceptancePrior:
         total = hits / (hits + misses) if hits + misses > 0 else 0.0
         self._factors = {a: r.p / total if total > 0 else 1.0
                          for a, r in self.agreement.items()}
-        self._max_factor = max(self._factors.values())
 
     def agreement_factor(self, agree: str) -> float:
         """The class's share of matches whose first token was accepted over
@@ -345,9 +329,6 @@ class AcceptancePrior:
         per-token estimate, learnt over every class, is multiplied by for
         a match of this class."""
         return self._factors[agree]
-
-    def max_agreement_factor(self) -> float:
-        return self._max_factor
 
     def learn_checked(self, p: float) -> None:
         self.p_checked += self.ema * (p - self.p_checked)
@@ -406,9 +387,6 @@ class RequestAcceptance:
         #: Trees this request ran, and steps since its last one.
         self.tree_runs = 0
         self.since_tree = 0
-        #: Whether a quiet bound was taken with these estimates
-        #: mature (``step.QuietBatches``).
-        self.bounded = False
 
     # -- what the planner reads ------------------------------------------------
     def unchecked_p(self, kind: str = "suffix4") -> float:

@@ -113,21 +113,11 @@ class RequestView:
             anywhere (its bonus row, sampled lazily only after a wholly
             accepted draft,
             :meth:`~vllm_lookahead.planner.cost_model.CostModel.bonus`; 0: none).
-        kinds: the lookup kinds its lookups can return
-            (:func:`~vllm_lookahead.planner.acceptance.possible_kinds`; None: any),
-            which :meth:`BestCase.of` bounds over.
         switch: seconds a step pays once where any of its requests drafts
             (vLLM's rejection sampler over its plain one, beyond each
             drafting request's ``verify``:
             :meth:`~vllm_lookahead.planner.cost_model.CostModel.switch`); a plan
             charges its requests' largest once.
-        search_trees: whether :meth:`Planner.plan`'s search weighs the
-            request's trees (False: its bound says none of them pays this
-            step, every other request off: ``step._trees_pay``; a tree may
-            still be given to it to explore, :meth:`Planner._explore`).
-        own_trees: whether one of its own trees this step could pay, every
-            other request off (:meth:`Planner.own_tree_pay_weight`, where
-            ``step._cannot_pay`` weighed them; None: not weighed).
     """
 
     acc: RequestAcceptance
@@ -144,10 +134,7 @@ class RequestView:
     verify: tuple[float, float] = (0.0, 0.0)
     lazy: bool = False
     bonus: float = 0.0
-    kinds: tuple[str, ...] | None = None
     switch: float = 0.0
-    search_trees: bool = True
-    own_trees: bool | None = None
 
     def draft_p(self, tree: bool = False) -> float:
         """Per-token acceptance of the draft this request hands the
@@ -267,93 +254,6 @@ def sibling_weights(groups: list, remaining: list, slot_value, end_value,
     return out
 
 
-@dataclass(frozen=True)
-class BestCase:
-    """An upper bound of what any request of a batch could gain per query
-    token: the highest acceptance estimates among the requests and the
-    engine's prior (which new requests start from), of the lookup kinds the
-    requests can draft (``RequestView.kinds``), the longest draft, and the
-    smallest tree of each kind. See :meth:`Planner.any_pays`.
-
-    Attributes:
-        p_unchecked: highest per-token acceptance of an unchecked draft
-            (any lookup kind; the planner values a checked chain so too).
-        max_draft: longest draft any request may take.
-        trees: ``(window on, g)`` -> (highest confirmed tokens times the
-            highest checked acceptance, fewest tree nodes), for the tree
-            shapes some request may run (none: no request may).
-        sampled: every request samples (a draft's verification costs at
-            least a sampled one's; else at least the cheaper kind's).
-    """
-
-    p_unchecked: float
-    max_draft: int
-    trees: dict
-    sampled: bool = False
-
-    @classmethod
-    def of(cls, views: list["RequestView"], prior, sampled: bool = False) -> "BestCase":
-        """The bound of ``views`` (non-empty) and the engine's ``prior``
-        (an :class:`~vllm_lookahead.planner.acceptance.AcceptancePrior`);
-        ``sampled``: every one of the requests samples."""
-        # over the kinds each request's lookups can return (all: None), and
-        # suffix4 where a tree may leave it a checked chain (valued so)
-        kinds = set()
-        own = []
-        for v in views:
-            ks = set(v.kinds if v.kinds is not None else prior.p_unchecked)
-            if v.trees or v.chain > 0:
-                ks.add("suffix4")
-            kinds |= ks
-            own += [v.acc.unchecked[kind].p for kind in ks]
-        p_u = max([prior.p_unchecked[kind] for kind in kinds] + own)
-        p_u = min(p_u * max(1.0, prior.max_agreement_factor()), max(p_u, P_MAX))
-        p_c = max([prior.p_checked] + [v.acc.checked.p for v in views])
-        trees: dict = {}
-        for v in views:
-            if not v.trees:
-                continue
-            for (w, g), nodes in _bound_options(v.ngram_size, v.window_size,
-                                                v.guess_set_size).items():
-                m = min(max(v.acc.tree_gain(g, w), prior.tree_gain(g, w)), v.ngram_size - 1)
-                old = trees.get((w, g), (0.0, nodes))
-                trees[(w, g)] = (max(old[0], m * p_c), min(old[1], nodes))
-        return cls(p_unchecked=p_u, max_draft=max(v.room for v in views), trees=trees,
-                   sampled=sampled)
-
-    def join(self, other: "BestCase") -> "BestCase":
-        """The bound of both bounds' requests (the best of each figure, the
-        fewest nodes of each tree kind)."""
-        trees = dict(self.trees)
-        for key, (gain, nodes) in other.trees.items():
-            old = trees.get(key, (0.0, nodes))
-            trees[key] = (max(old[0], gain), min(old[1], nodes))
-        return BestCase(p_unchecked=max(self.p_unchecked, other.p_unchecked),
-                        max_draft=max(self.max_draft, other.max_draft), trees=trees,
-                        sampled=self.sampled and other.sampled)
-
-
-def _least_weight(shapes) -> float:
-    """The least weight at which one of ``shapes``, ``(gain, cost)`` each
-    in tokens of the plain step, pays (``weight * gain > cost``): inf where
-    none does at any weight, -inf where one costs less than nothing."""
-    least = math.inf
-    for gain, cost in shapes:
-        if gain > 0:
-            least = min(least, cost / gain)
-        elif cost < 0:
-            least = -math.inf
-    return least
-
-
-def least_weight(pair: tuple[float, float], calibration: float = 1.0) -> float:
-    """The least paying weight of :meth:`Planner.pay_weights`'s ``(drafts,
-    trees)`` where unchecked gains are scaled by ``calibration`` (> 0): a
-    draft pays where ``weight * calibration * gain > cost``."""
-    drafts, trees = pair
-    return min(drafts / max(calibration, 1e-12), trees)
-
-
 @lru_cache(maxsize=128)
 def draft_lengths(k_max: int) -> tuple[int, ...]:
     """The draft lengths the planner weighs for an unchecked draft of at
@@ -387,24 +287,6 @@ def _tree_table(ngram_size: int, window_size: int, g_max: int) -> tuple:
     options = _tree_options(ngram_size, window_size, g_max)
     cols = max(window_size, 1)
     return options, tuple((g, window_root(w / cols)) for w, g, _ in options)
-
-
-@lru_cache(maxsize=256)
-def least_tree_nodes(ngram_size: int, window_size: int, g_max: int) -> int | None:
-    """The fewest nodes of a tree of :func:`_tree_options` (None: none)."""
-    return min((nodes for _, _, nodes in _tree_options(ngram_size, window_size, g_max)),
-               default=None)
-
-
-@lru_cache(maxsize=256)
-def _bound_options(ngram_size: int, window_size: int, g_max: int) -> dict:
-    """:func:`_tree_options` as :class:`BestCase` sees them: ``(window on,
-    candidates)`` -> the fewest nodes of such a shape."""
-    out: dict = {}
-    for cols, g, nodes in _tree_options(ngram_size, window_size, g_max):
-        key = (cols > 0, g)
-        out[key] = min(out.get(key, nodes), nodes)
-    return out
 
 
 def _cand_steps(g_max: int) -> list[int]:
@@ -457,6 +339,8 @@ class Planner:
         self.explore_s = 0.0
         self.explored = 0
         self._turn = 0
+        #: requests the search left off without weighing them (:meth:`_paying`)
+        self.left_off = 0
         #: tree steps per catch-up (the proposer updates it from its
         #: counts: tree runs that end soon make a catch-up dearer).
         self.horizon = float(TREE_HORIZON)
@@ -465,11 +349,6 @@ class Planner:
         #: ``cpu_sampling.verify_sampled_rows``): a draft's verification is
         #: priced by the rows expected (:func:`verified_rows`).
         self.lazy_verify = False
-        #: :meth:`_draft_costs` kept, and the cost model's generation they
-        #: were taken at
-        self._costs: dict = {}
-        self._costs_gen = None
-
     #: ``LookaheadConfig.min_draft_p`` (:meth:`draft_cap`; the proposer
     #: sets it per planner; a class default, so a planner pickled before
     #: it was added reads 0)
@@ -488,10 +367,9 @@ class Planner:
         return int(math.log(floor) / math.log(p) + 1e-9)
 
     # -- the shapes of one request ------------------------------------------------
-    def shapes(self, v: RequestView, batch: int, trees: bool | None = None) -> list[Shape]:
+    def shapes(self, v: RequestView, batch: int) -> list[Shape]:
         """The shapes request ``v`` may take in a ``batch``-request step,
-        :data:`OFF` first; its trees where it may run them (``v.trees``)
-        and ``trees`` (None: ``v.search_trees``)."""
+        :data:`OFF` first; its trees where it may run them (``v.trees``)."""
         if v.fixed is not None:
             return [v.fixed]
         out = [OFF]
@@ -511,7 +389,7 @@ class Planner:
                 out.append(Shape("draft", draft=k,
                                  tokens=1 + acc.unchecked_gain(k, v.lookup_kind),
                                  extra_s=v.verify_s(k, p)))
-        if not v.trees or not (v.search_trees if trees is None else trees):
+        if not v.trees:
             return out
         n = v.ngram_size
         checked = acc.checked.p
@@ -682,155 +560,6 @@ class Planner:
         return (self.cost.predict(batch, 1.0, tree=False),
                 self.cost.predict(max(batch - samples + 1, 1), 1.0, tree=False))
 
-    # -- the batch ---------------------------------------------------------------
-    def any_pays(self, batch: int, best: BestCase, weight: float = 1.0,
-                 calibration: float = 1.0, alone: bool = False) -> bool:
-        """Whether :meth:`plan` could give any request of a ``batch``-request
-        step a draft or a tree, for requests no better than ``best`` whose
-        gained tokens are worth at most ``weight`` (``RequestView.weight``),
-        their unchecked gains scaled by ``calibration`` (the engine's,
-        :attr:`AcceptancePrior.calibration`, as the planner scales them),
-        ``alone``: a draft pays the step's switch (:meth:`pay_weights`):
-        ``weight`` above :meth:`pay_weight`.
-
-        :meth:`plan` starts from every request off and moves a request only
-        where a shape beats off with the others off. Here each shape's gain
-        is bounded from above (the best acceptance, the longest draft) and
-        its cost from below (no draft under a tree), so
-        False means the plan is all off: the proposer may skip the batch's
-        per-request work (lookups, pool updates, planning) this step.
-        """
-        return max(weight, 0.0) > self.pay_weight(batch, best, calibration, alone)
-
-    def pay_weight(self, batch: int, best: BestCase, calibration: float = 1.0,
-                   alone: bool = False) -> float:
-        """The least weight (``RequestView.weight``) above which a request
-        no better than ``best`` could be given a draft or a tree in a
-        ``batch``-request step, the others off (:meth:`any_pays`), its
-        unchecked gains scaled by ``calibration``: :func:`least_weight` of
-        :meth:`pay_weights`."""
-        return least_weight(self.pay_weights(batch, best, alone), calibration)
-
-    def pay_weights(self, batch: int, best: BestCase,
-                    alone: bool = False) -> tuple[float, float]:
-        """:meth:`pay_weight` of the drafts (at calibration 1) and of the
-        trees apart, ``(drafts, trees)``: over each part's bounded shapes,
-        the least of what each costs beyond a plain step, in tokens of the
-        plain step, over its gained tokens (inf: no shape pays at any
-        weight; -inf: one pays at any). Only the drafts' gains scale with
-        the calibration, so the pair holds while it moves. ``alone``: a
-        draft pays the step's switch (:meth:`switch`) too, as the only
-        drafting request of the step does; else not, as one beside another
-        drafting request (the bound of a request whatever the others do)."""
-        if batch <= 0 or best.max_draft <= 0:
-            return math.inf, math.inf
-        return (self.draft_pay_weight(batch, best.p_unchecked, best.max_draft, best.sampled,
-                                      alone),
-                self.tree_pay_weight(batch, best.trees))
-
-    def own_tree_pay_weight(self, v: "RequestView", batch: int) -> float:
-        """The least weight at which one of request ``v``'s own trees this
-        step pays in a ``batch``-request step, the others off: the shapes
-        :meth:`shapes` weighs (this step's candidates, its own tree
-        estimates and checked acceptance), their gain without the catch-up
-        discount and their cost without the verification (both bounds, as
-        :meth:`tree_pay_weight`'s), so where it says none pays the search
-        would not pick one either (inf: none pays at any weight)."""
-        if batch <= 0 or v.room <= 0 or not v.trees:
-            return math.inf
-        n = v.ngram_size
-        self._fresh_costs()
-        key = ("trees", batch, n, v.window_size, v.guess_set_size)
-        costs = self._costs.get(key)
-        if costs is None:
-            table, roots = _tree_table(n, v.window_size, v.guess_set_size)
-            costs = self._costs[key] = (
-                roots, self._tree_prices(batch, [nodes for _, _, nodes in table]))
-        roots, prices = costs
-        cap, checked = n - 1, v.acc.checked.p
-        return _least_weight(((m if m < cap else cap) * checked, cost)
-                             for m, cost in zip(v.acc.tree_gains(roots), prices))
-
-    def draft_pay_weight(self, batch: int, p: float, max_draft: int, sampled: bool,
-                         alone: bool = False) -> float:
-        """:meth:`pay_weights`' drafts part for a request whose lookup
-        drafts at most ``max_draft`` (> 0) tokens at per-token acceptance
-        ``p``: kept with :meth:`_draft_costs` (until the cost model's
-        correction moves), so the requests of a step that ask the same
-        question (``_cannot_pay``: the kind's rate rounded to a hundredth)
-        pay for it once."""
-        self._fresh_costs()
-        key = ("pay", batch, p, max_draft, sampled, alone, self.lazy_verify)
-        got = self._costs.get(key)
-        if got is None:
-            costs = self._draft_costs(batch, max_draft, sampled, alone)
-            got = self._costs[key] = _least_weight(
-                (geometric_gain(p, k), cost) for k, cost in costs)
-        return got
-
-    def tree_pay_weight(self, batch: int, trees: dict) -> float:
-        """:meth:`pay_weights`' trees part: the least weight at which one of
-        ``trees`` (:attr:`BestCase.trees`) pays in a ``batch``-request step,
-        the others off (no verification under a tree, no switch)."""
-        if batch <= 0 or not trees:
-            return math.inf
-        gains, nodes = zip(*trees.values())
-        return _least_weight(zip(gains, self._tree_prices(batch, nodes)))
-
-    def _tree_prices(self, batch: int, nodes) -> tuple[float, ...]:
-        """What a tree of each of ``nodes`` nodes costs beyond a plain
-        ``batch``-request step, the others off, in tokens of the plain step
-        (no verification under a tree, no switch)."""
-        predict = self.cost.predict
-        c0 = predict(batch, 1.0, tree=False)
-        lam = batch / c0  # the all-off plan's tokens per second
-        return tuple(lam * (predict(batch, (batch + x) / batch, tree=True, drafting=1) - c0)
-                     + 1e-12 for x in nodes)
-
-    def _fresh_costs(self) -> None:
-        """Empty the kept prices (:meth:`_draft_costs`,
-        :meth:`draft_pay_weight`, :meth:`own_tree_pay_weight`) where the
-        cost model's correction moved since, or they grew past 1024."""
-        gen = getattr(self.cost, "generation", 0)
-        if self._costs_gen != gen or len(self._costs) >= 1024:
-            self._costs, self._costs_gen = {}, gen
-
-    def _draft_costs(self, batch: int, max_draft: int, sampled: bool,
-                     alone: bool) -> tuple:
-        """:meth:`pay_weights`' prices, in tokens of the plain step, of the
-        drafts of :func:`draft_lengths` ``(max_draft)`` beyond a plain
-        ``batch``-request step, the others off, ``(k, cost)`` each: the same until the cost
-        model's correction moves (``CostModel.generation``), so kept
-        (``_cannot_pay`` weighs each request's own acceptance, a new
-        rate most steps, against them)."""
-        self._fresh_costs()
-        key = (batch, max_draft, sampled, alone, self.lazy_verify)
-        got = self._costs.get(key)
-        if got is not None:
-            return got
-        c0 = self.cost.predict(batch, 1.0, tree=False)
-        lam = batch / c0  # the all-off plan's tokens per second
-        # vLLM's verification of a draft, at least (none under a tree)
-        first, nxt = self.verify_seen(batch, True)
-        switch = self.switch(batch, True) if alone else 0.0
-        if not sampled:
-            g_first, g_next = self.verify_seen(batch, False)
-            first, nxt = min(first, g_first), min(nxt, g_next)
-            if alone:
-                switch = min(switch, self.switch(batch, False))
-        first += switch
-        # a draft rejected anywhere saves its bonus row where the verifier
-        # samples it lazily (all sampled: the most it may save)
-        saved = self.bonus(batch) if sampled else 0.0
-        costs = []
-        for k in draft_lengths(max_draft):
-            # a lazy verifier computes one row at least
-            extra = first + nxt * (0 if self.lazy_verify else k - 1) - saved
-            sec = self.cost.predict(batch, (batch + k) / batch, tree=False, drafting=1)
-            costs.append((k, lam * (sec + extra - c0) + 1e-12))
-        got = self._costs[key] = tuple(costs)
-        return got
-
     def plan(self, views: list[RequestView], max_tree_tokens: int = 0,
              others: int = 0, explore: bool = False) -> list[Shape]:
         """One shape per request (in the order of ``views``); ``others``:
@@ -858,11 +587,16 @@ class Planner:
 
         # the verifier's switch, paid once where any request drafts
         switch = max(v.switch for v in views)
+        pays = self._bound(batch, r_n, seconds)
+        # requests whose drafts could pay beside another drafting one
+        drafts_pay = [v.fixed is None and any(s.kind == "draft" and pays(v, s) for s in o)
+                      for v, o in zip(views, options)]
+        searched = self._prune(views, options, pays, drafts_pay, switch)
         # Per option: (query tokens, whether a tree, tokens, extra seconds,
         # whether more than one query token, whether a draft to verify).
         # (a request's gain beyond its one token counted at its weight)
         rows = []
-        for v, opts in zip(views, options):
+        for v, opts in zip(views, searched):
             weight, row = v.weight, []
             for kind, draft, _, _, nodes, tokens, extra_s in opts:
                 q = 1 + draft + nodes  # Shape.query
@@ -920,19 +654,20 @@ class Planner:
                                 + (switch if n_ver else 0.0))
 
         pick, rate = search([0] * r_n)
-        if switch > 0 and sum(len(o) > 1 for o in rows) >= 2:
+        if switch > 0 and sum(drafts_pay) >= 2:
             # The verifier's switch is paid once where any request drafts:
             # from every request off, the first to move pays it alone, so
             # drafts that pay only together (at 16 sampled sequences on the
             # CPU, where a rejected draft saves its sorted bonus row) are
-            # never reached. So search again from every request that has a
-            # draft drafting its shortest one, and keep the better plan.
-            start = [1 if len(o) > 1 and not o[1][1] and o[1][5] else 0 for o in rows]
-            if any(start) and start != pick:
+            # never reached. So search again from every request whose
+            # drafts could pay drafting its shortest one (its option 1),
+            # and keep the better plan.
+            start = [int(d) for d in drafts_pay]
+            if start != pick:
                 other, other_rate = search(start)
                 if other_rate > rate * (1 + 1e-9):
                     pick, rate = other, other_rate
-        chosen = [options[r][pick[r]] for r in range(r_n)]
+        chosen = [searched[r][pick[r]] for r in range(r_n)]
         if max_tree_tokens > 0:
             chosen = self._fit(chosen, options, max_tree_tokens)
         if not explore:
@@ -945,6 +680,49 @@ class Planner:
             self._explore(chosen, options, views, sec, seconds, max_tree_tokens, switch, batch)
         return chosen
 
+    @staticmethod
+    def _bound(batch: int, r_n: int, seconds):
+        """``pays(view, shape, once=0)``: whether ``shape`` could beat off
+        for its request in any plan of a ``batch``-step of ``r_n`` views
+        (``seconds`` as in :meth:`plan`): its weighted gain beats its cost
+        in the step with every other request off -- its forward's seconds
+        beyond the plain step, its own extra seconds and ``once`` where it
+        drafts, at the plain step's rate. The search moves a request from
+        off only so: the step's cost rises at least as fast and the plan's
+        rate only rises as others move."""
+        plain = seconds(r_n, 0, 0)
+        lam = batch / plain  # the all-off plan's tokens per second
+
+        def pays(v: RequestView, s: Shape, once: float = 0.0) -> bool:
+            q = 1 + s.draft + s.nodes
+            sec = seconds(r_n - 1 + q, int(s.kind == "tree"), int(q > 1)) - plain + s.extra_s
+            return v.weight * (s.tokens - 1.0) > lam * (sec + (once if s.draft else 0.0))
+        return pays
+
+    def _prune(self, views, options, pays, drafts_pay, switch: float) -> list[list[Shape]]:
+        """Per request, the shapes the search weighs (``pays``:
+        :meth:`_bound`): all of them where a tree could pay, off and its
+        drafts where a draft could (``drafts_pay``), else off alone; the
+        one request left that could draft, where no fixed one drafts, pays
+        the verifier's ``switch`` alone. Fixed views keep their shape."""
+        def keep(v: RequestView, opts: list[Shape], drafts: bool, once: float) -> list[Shape]:
+            n = 1 + sum(s.kind == "draft" for s in opts)
+            if any(pays(v, s, once) for s in opts[n:]):
+                return opts
+            return opts[:n] if drafts else opts[:1]
+
+        out = [opts if v.fixed is not None else keep(v, opts, d, 0.0)
+               for v, opts, d in zip(views, options, drafts_pay)]
+        movers = [r for r, (v, o) in enumerate(zip(views, out)) if v.fixed is None and len(o) > 1]
+        if len(movers) == 1 and switch > 0 and not any(
+                v.fixed is not None and v.fixed.draft > 0 for v in views):
+            r = movers[0]
+            out[r] = keep(views[r], out[r],
+                          any(pays(views[r], s, switch) for s in out[r] if s.kind == "draft"),
+                          switch)
+        self.left_off += sum(v.fixed is None and len(o) == 1 for v, o in zip(views, out))
+        return out
+
     def explore_due(self, acc) -> bool:
         """Whether a request of acceptance ``acc`` (a
         :class:`~vllm_lookahead.planner.acceptance.RequestAcceptance`) is due an
@@ -954,19 +732,6 @@ class Planner:
         known = getattr(getattr(acc, "prior", None), "trees_seen", 0) >= self.EXPLORE_KNOWN
         return not ((getattr(acc, "tree_runs", 0) or known)
                     and getattr(acc, "since_tree", 0) < self.EXPLORE_AFTER)
-
-    def may_explore(self, batch: int, nodes: int) -> bool:
-        """Whether :meth:`_explore` could give a tree of ``nodes`` nodes or
-        more in a ``batch``-request step now: the step with it and every
-        other request off fits the exploration's credit and
-        :attr:`EXPLORE_MAX_STEP` plain steps (with any other request
-        drafting it would cost more)."""
-        credit = self.EXPLORE_SHARE * self.planned_s - self.explore_s
-        if credit <= 0:
-            return False
-        step = self.cost.predict(batch, 1.0 + nodes / max(batch, 1), tree=True)
-        return step <= credit and step <= self.EXPLORE_MAX_STEP * self.cost.predict(
-            batch, 1.0, tree=False)
 
     def _explore(self, chosen, options, views, sec, seconds, max_tree_tokens,
                  switch: float, batch: int) -> None:
@@ -1005,9 +770,7 @@ class Planner:
                 continue
             cur = chosen[r]
             best = None
-            # trees the search left out (search_trees) are weighed here
-            opts = options[r] if v.search_trees else self.shapes(v, batch, trees=True)
-            for o in opts:
+            for o in options[r]:
                 if o.kind != "tree" or (max_tree_tokens and o.nodes > max_tree_tokens):
                     continue
                 s2 = seconds(q - cur.query + o.query, 1,
@@ -1049,15 +812,3 @@ class Planner:
                 break
             chosen[best[1]] = best[2]
         return chosen
-
-    def predicted_rate(self, shapes: list[Shape]) -> float:
-        """Expected tokens per second of a step run with ``shapes``."""
-        if not shapes:
-            return 0.0
-        r_n = len(shapes)
-        q = sum(s.query for s in shapes)
-        trees = any(s.kind == "tree" for s in shapes)
-        sec = self.cost.predict(r_n, q / r_n, tree=trees,
-                                drafting=sum(s.query > 1 for s in shapes))
-        sec += sum(s.extra_s for s in shapes)
-        return sum(s.tokens for s in shapes) / sec

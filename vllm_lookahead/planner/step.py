@@ -46,29 +46,22 @@ measured at start-up (:mod:`.warmup`, corrected from the steps seen) and the
 request's measured acceptance (:mod:`.acceptance`). Seeded sampled requests
 are planned from their text alone. ``max_tree_tokens`` caps the tree tokens
 of a step; with ``disable_batch_size`` requests decoding or more, a step
-runs with no tree and no draft; a request whose drafts cannot pay
-(:class:`QuietBatches`) skips its per-request work.
+runs with no tree and no draft.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
-from functools import reduce
 from typing import NamedTuple
 
 import numpy as np
 
-from vllm_lookahead.planner.acceptance import possible_kinds
 from vllm_lookahead.algo.drafting import Live, candidates, lookup, read_tree, unchecked_draft
 from vllm_lookahead.planner.planner import (
     OFF,
-    BestCase,
     RequestView,
     Shape,
     draft_p,
-    least_tree_nodes,
-    least_weight,
     sibling_rows,
     sibling_weights,
 )
@@ -118,7 +111,6 @@ class StepDrafter:
         #: Whether trees may run (False where the engine's attention backend
         #: cannot serve the lookahead branch: prompt-lookup drafts only).
         self.trees = True
-        self.quiet = QuietBatches(stats, prior, cfg.prompt_pool)
         #: The engine's shared memory (:class:`~vllm_lookahead.algo.memory.
         #: SharedMemory`; None: ``shared_memory`` off).
         self.memory = None
@@ -172,9 +164,7 @@ class StepDrafter:
             for r in live:
                 r.state.draft_sources, r.state.lookup = [], []
             live = []
-        everyone = live
-        by_row, planned_rows = self._step_weights(everyone, num_decoding, closed)
-        live = self.quiet.keep(live, spec_k, joined, self.planner, self.trees, weights=by_row)
+        by_row, planned_rows = self._step_weights(live, num_decoding, closed)
         if self.cfg.prompt_pool:
             for r in live:
                 r.state.add_context_ngrams(token_ids[r.i], r.state.settings.ngram_size, r.n_tok)
@@ -183,8 +173,7 @@ class StepDrafter:
             weights = [by_row[r.i] for r in live]
             self.stats.sibling_steps += sum(r.i in planned_rows for r in live)
             self.stats.sibling_ahead_steps += sum(x < 1.0 for x in weights)
-        trees, planned = self._plan(live, drafts, token_ids, others=len(everyone) - len(live),
-                                    weights=weights)
+        trees, planned = self._plan(live, drafts, token_ids, weights=weights)
         window_cut = False  # the budget left a tree's window out (counted once a step)
         if self.fused:
             # Tree requests without a checked chain (first step, or the last
@@ -207,10 +196,6 @@ class StepDrafter:
                 row = self.stats.drafts_by_kind.setdefault(kind, [0, 0, 0])
                 row[0] += 1
                 row[1] += len(drafts[r.i])
-        if len(live) < len(everyone):  # a quiet step: time it as planned
-            n, q, tree, m, ver, least = (planned if planned is not None
-                                         else (0, 1.0, False, 0, 0.0, None))
-            planned = (len(everyone), 1 + (n * (q - 1)) / len(everyone), tree, m, ver, least)
         return drafts, planned
 
     # -- planning ------------------------------------------------------------
@@ -327,32 +312,9 @@ class StepDrafter:
             if st.catch_up_requests:
                 runs = st.fused_trees + st.pass_requests
                 self.planner.horizon = max(runs / st.catch_up_requests, 1.0)
-            # requests whose lookup this step cannot pay, the others off,
-            # are off without the planner's search (its cost grows with the
-            # batch; at 16 sequences most request-steps are off): those that
-            # cannot pay beside another drafting request; and a lone one
-            # left that could not pay as the step's only drafting one (it
-            # would pay the verifier's switch alone). Two or more that pay
-            # beside each other go to the planner, which weighs them
-            # drafting together (Planner.plan's second search).
-            kept = [j for j, (r, v) in enumerate(zip(live, views))
-                    if not _cannot_pay(self.planner, r, v, batch)]
-            if len(kept) == 1 and _cannot_pay(self.planner, live[kept[0]], views[kept[0]],
-                                              batch, alone=True):
-                kept = []
-            # the search leaves out the trees of a request whose bound says
-            # none of them pays, the others off (at 16 sequences 0.2% of the
-            # request-steps run a tree, and trees are four in five of the
-            # shapes it weighs); exploration still weighs them
-            for j in kept:
-                views[j].search_trees = _trees_pay(self.planner, live[j], views[j], batch)
-            shapes = [OFF] * len(live)
-            for j, sh in zip(kept, self.planner.plan([views[j] for j in kept],
-                                                     self.cfg.max_tree_tokens,
-                                                     others + len(live) - len(kept),
-                                                     explore=True)):
-                shapes[j] = sh
-            self.stats.requests_unpaid += len(live) - len(kept)
+            left_off = self.planner.left_off
+            shapes = self.planner.plan(views, self.cfg.max_tree_tokens, others, explore=True)
+            self.stats.requests_unpaid += self.planner.left_off - left_off
             q = sum(sh.query for sh in shapes) / len(shapes)
             # (measured (first, next), the verification the plan priced
             # with them: the rows expected, less the bonus row expected
@@ -497,199 +459,6 @@ def catch_up_draft_len(state, room: int) -> int:
     return k
 
 
-class QuietBatches:
-    """Which requests need a step's per-request work.
-
-    Where the planner would plan a request off whatever its lookup found
-    (the bound of :meth:`Planner.any_pays`, over the request's acceptance
-    estimates taken at the last full step and the engine's prior, with the
-    others off, its unchecked gains scaled by the engine's calibration of
-    this step), the request is left out: no lookup, no pool update (caught
-    up later), no planning, no relaxing of its tree estimates. Where that
-    holds for the bound over the whole batch (the step is quiet), every such
-    request is left out. Seeded requests (their drafts depend on their text
-    alone) and requests whose acceptance has been checked on fewer than
-    :attr:`MATURE` lookups are never left out; the planner plans the others
-    with those left out counted as off. The full path runs every
-    :attr:`REFRESH` steps, when a request joins and after a tree, which
-    keeps the estimates and the bounds current; a request that matures in
-    between takes its bound then, and it joins the batch's.
-    """
-
-    #: Steps between two full planning steps (those keep the acceptance
-    #: learnt and the bounds current).
-    REFRESH = 16
-    #: Lookups a request's acceptance must have been checked on before it
-    #: may be left out (until then it is planned every step: a new request
-    #: learns at full speed).
-    MATURE = 8
-
-    def __init__(self, stats, prior, prompt_pool: bool = True) -> None:
-        self.stats = stats
-        self.prior = prior
-        #: the engine's ``prompt_pool`` (which lookup kinds can occur)
-        self.prompt_pool = prompt_pool
-        #: The bound of the batch's requests (taken at the last full step),
-        #: steps since, and by batch size (and ``alone``) the least weights
-        #: at which a draft or a tree could pay for the bound
-        #: (``Planner.pay_weights``).
-        self._best: BestCase | None = None
-        self._since_full = 0
-        self._pays: dict[int, float] = {}
-
-    def keep(self, live: list[Live], spec_k: int, joined: bool, planner,
-             trees: bool = True, weights: dict | None = None) -> list[Live]:
-        """The requests of ``live`` that need this step's work (all of them
-        without a ``planner``); ``weights``: by batch row, what a token each
-        gains is worth (``RequestView.weight``; None: 1 each)."""
-        if planner is None or not live:
-            return live
-        self._since_full += 1
-        mature = self.MATURE
-        if (joined or self._best is None or self._since_full >= self.REFRESH
-                or any(r.chain for r in live)):
-            self._since_full = 0
-            bounds = [self._bound(r, spec_k, trees) for r in live if not r.state.seeded]
-            self._best = reduce(BestCase.join, bounds) if bounds else None
-            self._pays = {}
-            return live
-        # a request that matured since: its own bound joins the batch's
-        for r in live:
-            st = r.state
-            if not st.seeded and st.acc.seen >= mature and not st.acc.bounded:
-                self._best = self._best.join(self._bound(r, spec_k, trees))
-                self._pays = {}
-        b = len(live)
-        calibration = self.prior.calibration
-        # a quiet step: no request could pay beside another drafting one
-        # (two or more share the verifier's switch), nor, a request on its
-        # own, as the step's only drafting one (which pays the switch);
-        # a request apart: not even beside another drafting one
-        quiet = not _pays(planner, self._pays, b, self._best,
-                          max(weights.values()) if weights else 1.0, calibration, alone=b < 2)
-        keep = []
-        for r in live:
-            st = r.state
-            if st.seeded or st.acc.seen < mature or (not quiet and (
-                    st.quiet_best is None
-                    or _pays(planner, st.quiet_pays, b, st.quiet_best,
-                             weights[r.i] if weights else 1.0, calibration))):
-                keep.append(r)
-                continue
-            st.draft_sources, st.lookup = [], []
-        n_off = len(live) - len(keep)
-        if quiet:
-            self.stats.steps_quiet += 1
-        self.stats.requests_quiet += n_off
-        self.stats.arm_steps["off"] += n_off
-        self.stats.shape_steps["off"] = self.stats.shape_steps.get("off", 0) + n_off
-        return keep
-
-    def _bound(self, r: Live, spec_k: int, trees: bool) -> BestCase:
-        """Take request ``r``'s own bound (its drafts verified as its kind)."""
-        st = r.state
-        st.acc.bounded = st.acc.seen >= self.MATURE
-        st.quiet_best = BestCase.of([_bound_view(r, spec_k, trees, self.prompt_pool)],
-                                    self.prior, sampled=st.sampled)
-        st.quiet_pays = {}
-        return st.quiet_best
-
-
-def _pays(planner, cache: dict, batch: int, best: BestCase, weight: float,
-          calibration: float = 1.0, alone: bool = False) -> bool:
-    """:meth:`Planner.any_pays` for ``best`` at ``weight`` and the engine's
-    ``calibration`` (``alone``: a draft pays the step's switch too,
-    :meth:`Planner.pay_weights`); the bound's least paying weights (which
-    the calibration does not move) kept in ``cache`` under the batch size
-    and ``alone`` until the bound is taken again."""
-    key = (batch, alone)
-    pair = cache.get(key)
-    if pair is None:
-        pair = cache[key] = planner.pay_weights(batch, best, alone)
-    return max(weight, 0.0) > least_weight(pair, calibration)
-
-
-def _cannot_pay(planner, r: Live, view: RequestView, batch: int, alone: bool = False) -> bool:
-    """Whether request ``r`` (its lookup done, ``view`` as the planner sees
-    it) can be left off this step without the planner's search: not
-    seeded, no checked chain, no exploration tree due, and no draft of its
-    lookup (at its kind's acceptance rounded up to a hundredth, its gain
-    scaled by the engine's calibration as the planner scales it) nor tree
-    would pay at its weight in a ``batch``-request step with the others
-    off (``alone``: the draft paying the step's switch, as the only
-    drafting request of the step does). The drafts' least paying weights
-    are the planner's (:meth:`Planner.draft_pay_weight`); its trees are
-    weighed as the planner weighs them this step
-    (:meth:`Planner.own_tree_pay_weight`), where a mature request's quiet
-    bound (``QuietBatches``, its least paying weight kept with it) does not
-    already say none pays. Its lookup is scored whatever the answer, so a
-    young request learns as fast left off as searched."""
-    st, acc = r.state, r.state.acc
-    if view.fixed is not None or r.chain:
-        return False
-    if r.room <= 0:
-        return True
-    mature = acc.seen >= QuietBatches.MATURE
-    trees = {}
-    if view.trees:
-        if mature:
-            if st.quiet_best is None:
-                return False
-            trees = st.quiet_best.trees
-            least = min((nodes for _, nodes in trees.values()), default=None)
-        else:  # its estimates move too fast for a bound taken earlier
-            least = least_tree_nodes(view.ngram_size, view.window_size, view.guess_set_size)
-        if least is not None and planner.explore_due(acc) and planner.may_explore(batch, least):
-            return False  # it may get an exploration tree
-    k = min(view.unchecked, r.room)
-    if k <= 0 and not trees and (mature or not view.trees):
-        return True
-    weight = max(view.weight, 0.0)
-    if k > 0:
-        # the kind's rate rounded up to a hundredth (the planner keeps the
-        # answers for every request)
-        p = math.ceil(acc.unchecked_p(view.lookup_kind) * 100.0) / 100.0
-        if weight > least_weight((planner.draft_pay_weight(batch, p, k, st.sampled, alone),
-                                  math.inf), acc.prior.calibration):
-            return False
-    if not view.trees:
-        return True
-    if mature and not (trees and weight > _bound_tree_weight(planner, st, batch)):
-        return True
-    # its own trees this step decide (the planner's search then leaves them
-    # out where none pays: _trees_pay)
-    view.own_trees = weight > planner.own_tree_pay_weight(view, batch)
-    return not view.own_trees
-
-
-def _trees_pay(planner, r: Live, view: RequestView, batch: int) -> bool:
-    """Whether a tree of request ``r`` could pay at its weight in a
-    ``batch``-request step with the others off, by its quiet bound's
-    trees (:class:`QuietBatches`, :meth:`Planner.tree_pay_weight`, cached
-    with the bound); True (weigh them) where the bound cannot tell: a
-    seeded or new request, one without a bound, one whose last tree left
-    it a checked chain (its tree run goes on while it pays)."""
-    st = r.state
-    if view.own_trees is not None:  # _cannot_pay weighed its own trees
-        return view.own_trees
-    if (not view.trees or view.fixed is not None or r.chain
-            or st.acc.seen < QuietBatches.MATURE or st.quiet_best is None
-            or not st.quiet_best.trees):
-        return True
-    return max(view.weight, 0.0) > _bound_tree_weight(planner, st, batch)
-
-
-def _bound_tree_weight(planner, st, batch: int) -> float:
-    """The least weight at which a tree of request state ``st``'s quiet
-    bound pays in a ``batch``-request step, the others off
-    (:meth:`Planner.tree_pay_weight`), kept with the bound."""
-    key = ("trees", batch)
-    least = st.quiet_pays.get(key)
-    if least is None:
-        least = st.quiet_pays[key] = planner.tree_pay_weight(batch, st.quiet_best.trees)
-    return least
-
-
 def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
                   trees_here: bool = True, planner=None) -> RequestView:
     """A request as the planner sees it this step (its lookup done);
@@ -720,15 +489,3 @@ def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
         guess_set_size=min(g, s.guess_set_size), room=r.room, chain=len(r.chain),
         unchecked=len(state.lookup), lookup_kind=state.lookup_kind, trees=trees,
         fixed=seeded_shape)
-
-
-def _bound_view(r: Live, spec_k: int, trees_here: bool = True,
-                prompt_pool: bool = True) -> RequestView:
-    """A request as :meth:`BestCase.of` sees it: its settings' upper bounds
-    (not this step's pool or room) and the lookup kinds it can draft, so
-    the bound holds for later steps."""
-    st, s = r.state, r.state.settings
-    kinds = possible_kinds(prompt_pool, s.lookup_len > s.ngram_size, st.memory_reads)
-    return RequestView(acc=st.acc, ngram_size=s.ngram_size, window_size=s.window_size,
-                       guess_set_size=s.guess_set_size, room=spec_k,
-                       trees=trees_here and not st.seeded, kinds=kinds)
