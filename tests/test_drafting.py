@@ -29,6 +29,7 @@ from vllm_lookahead.algo.state import (
     JacobiWindow,
 )
 from vllm_lookahead.stats import LookaheadStats
+from vllm_lookahead.planner.siblings import drain_value, end_value
 from vllm_lookahead.planner.step import StepDrafter
 from vllm_lookahead.algo.trees import PlannedTree, TreeAsk, plan_trees
 
@@ -730,7 +731,7 @@ def test_samples_of_one_parent_are_planned_by_who_ends_last():
     live = [Live(i, s, len(text), 3, [])
             for i, s in enumerate(_capped_states(prior, tokens, text, (1, 9, 2), ("p", "p", None)))]
     w, _ = step._weights(live, 3)
-    slot = step.planner.drain_value(3, 2)
+    slot = drain_value(step.planner.cost, 3, 2)
     # 15 left against its sibling's 7: it ends the parent (worth the
     # parent's last step, 2 tokens here), its sibling only frees a slot
     assert 1.6 < w[0] <= 2.0
@@ -764,8 +765,8 @@ def test_a_closed_batch_is_planned_for_its_end():
     assert step._weights(live, 3) == (None, set())
     w, planned = step._weights(live, 3, closed=True)
     assert planned == {0, 1, 2}
-    slot = step.planner.drain_value(3, 3)
-    assert 1.6 < w[0] <= step.planner.end_value(3, 3)  # 15 left against 7 and 8
+    slot = drain_value(step.planner.cost, 3, 3)
+    assert 1.6 < w[0] <= end_value(step.planner.cost, 3, 3)  # 15 left against 7 and 8
     assert slot <= w[1] < 0.05 + slot and slot <= w[2] < 0.05 + slot
     drafts, _ = step.run(live, 3, 3, 3, True, tokens, lambda rows: [], closed=True)
     assert drafts[0] == [6, 9, 4] and drafts[1] == []  # the one furthest ahead: off

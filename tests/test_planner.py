@@ -22,6 +22,7 @@ from vllm_lookahead.planner.acceptance import (
 from vllm_lookahead.planner.cost_cache import CostCache, cache_key, load_curve
 from vllm_lookahead.planner.cost_model import CostCurve, CostModel, bucket_of, measure_curve
 from vllm_lookahead.planner.planner import OFF, Planner, RequestView, Shape
+from vllm_lookahead.planner.siblings import drain_value, end_shares_many, end_value, slot_value
 
 # -- synthetic machines ----------------------------------------------------------
 STEP = 0.05  # seconds of a 1-token step
@@ -383,7 +384,7 @@ def test_tree_counterfactuals_and_relaxing():
     for _ in range(200):
         acc.relax()
     assert acc.tree_gain(1, False) > low + 0.3
-    assert abs(acc.tree_gain(1, False) - prior.tree_gain(1, False)) < 0.05
+    assert abs(acc.tree_gain(1, False) - prior.tree_cands[0]) < 0.05
 
 
 def test_new_requests_start_from_the_engines_experience():
@@ -828,7 +829,7 @@ def test_tree_gains_in_one_pass_are_tree_gain_exactly():
     floats ``tree_gain`` gives, for every shape of an N, W, G, however the
     estimates moved."""
     from vllm_lookahead.planner.acceptance import window_root
-    from vllm_lookahead.planner.planner import _tree_options, _tree_table
+    from vllm_lookahead.planner.shapes import _tree_options, _tree_table
 
     rng = np.random.default_rng(3)
     prior = AcceptancePrior(max_cands=4)
@@ -931,6 +932,19 @@ def test_a_new_request_is_not_explored_once_the_engine_knows_trees():
 
 
 # -- samples of one parent ----------------------------------------------------------
+def end_shares(remaining, draws):
+    """One parent's end shares."""
+    return end_shares_many([(remaining, draws)])[0]
+
+
+def accepted_pmf(p, k):
+    """P(A = a), a = 0..k, of a k-token draft accepted at ``p`` a token."""
+    a = np.arange(k + 1)
+    pmf = p ** a * (1.0 - p)
+    pmf[k] = p ** k
+    return pmf
+
+
 def test_sibling_weights_value_the_share_that_ends_the_parent():
     from vllm_lookahead.planner.planner import sibling_weights
 
@@ -959,7 +973,6 @@ def test_end_shares_of_sixteen_tied_samples_sum_to_less_than_one():
     """Sixteen samples at a parent's start, each drafting now and then:
     each is the last with probability about 1/16, and a random gain moves
     the max less than its mean (ties, and the spread it adds)."""
-    from vllm_lookahead.planner.siblings import end_shares
 
     shares = end_shares([64] * 16, [(0.5, 3)] * 16)
     assert len(set(shares)) == 1
@@ -1008,7 +1021,7 @@ def test_end_shares_agree_with_a_fine_integral():
     sooner, averaged over its gain, over its expected gain."""
     from math import erf
 
-    from vllm_lookahead.planner.siblings import SPREAD_FLOOR, accepted_pmf, end_shares_many
+    from vllm_lookahead.planner.siblings import SPREAD_FLOOR, end_shares_many
 
     cdf = np.vectorize(lambda z: 0.5 * (1.0 + erf(z / np.sqrt(2.0))))
     rng = np.random.default_rng(11)
@@ -1040,7 +1053,7 @@ def test_end_shares_agree_with_a_fine_integral():
 def test_end_shares_agree_with_a_monte_carlo_of_the_model():
     """The grid integral against sampled ends: S_i normal with the module's
     mean and spread, the sample's gain A drawn from its pmf."""
-    from vllm_lookahead.planner.siblings import SPREAD_FLOOR, accepted_pmf, end_shares
+    from vllm_lookahead.planner.siblings import SPREAD_FLOOR
 
     rng = np.random.default_rng(0)
     remaining = [24, 22, 22, 15]
@@ -1069,16 +1082,16 @@ def test_end_value_is_the_parents_last_step_at_the_plain_rate():
 
     planner = Planner(CostModel(curve_from(fn, tokens=(1, 2, 4))))
     # 4 samples alone: the last runs alone, c(1) = 1 against c(4) = 1.3
-    assert planner.end_value(4, 4) == pytest.approx(4 * 1.0 / 1.3, rel=1e-3)
+    assert end_value(planner.cost, 4, 4) == pytest.approx(4 * 1.0 / 1.3, rel=1e-3)
     # 2 samples among 4: the last step keeps the 2 others, c(3) = 1.2, whose
     # 2 tokens it gains too and they gain anyway: 4 * 1.2 / 1.3 - 2
-    assert planner.end_value(4, 2) == pytest.approx(4 * 1.2 / 1.3 - 2, rel=1e-3)
-    assert planner.end_value(8, 8) == pytest.approx(8 * 1.0 / 1.7, rel=1e-2)
-    assert planner.end_value(1, 1) == 1.0
+    assert end_value(planner.cost, 4, 2) == pytest.approx(4 * 1.2 / 1.3 - 2, rel=1e-3)
+    assert end_value(planner.cost, 8, 8) == pytest.approx(8 * 1.0 / 1.7, rel=1e-2)
+    assert end_value(planner.cost, 1, 1) == 1.0
     # 4 samples among 16 on a step a + m b (a = 0.9, m = 0.1): 1 + 3 a / c(16)
-    assert planner.end_value(16, 4) == pytest.approx(1 + 3 * 0.9 / 2.5, rel=1e-2)
+    assert end_value(planner.cost, 16, 4) == pytest.approx(1 + 3 * 0.9 / 2.5, rel=1e-2)
     # a flat machine: the parent's slots, its k samples' tokens
-    assert Planner(model(gpu)).end_value(16, 4) == pytest.approx(4.0, rel=1e-6)
+    assert end_value(model(gpu), 16, 4) == pytest.approx(4.0, rel=1e-6)
 
 
 def test_slot_value_is_the_marginal_request_at_the_plain_rate():
@@ -1086,11 +1099,11 @@ def test_slot_value_is_the_marginal_request_at_the_plain_rate():
         return 1.0 + 0.1 * (total - 1)
 
     planner = Planner(CostModel(curve_from(fn, tokens=(1, 2, 4))))
-    assert planner.slot_value(1) == 1.0
+    assert slot_value(planner.cost, 1) == 1.0
     # b (c(b) - c(b-1)) / c(b) = 4 * 0.1 / 1.3
-    assert planner.slot_value(4) == pytest.approx(4 * 0.1 / 1.3, rel=1e-3)
+    assert slot_value(planner.cost, 4) == pytest.approx(4 * 0.1 / 1.3, rel=1e-3)
     # a flat machine: a sample ahead frees nothing
-    assert Planner(model(gpu)).slot_value(4) == pytest.approx(0.0, abs=1e-9)
+    assert slot_value(model(gpu), 4) == pytest.approx(0.0, abs=1e-9)
 
 
 def test_drain_value_is_the_mean_slot_over_the_parents_drain():
@@ -1100,10 +1113,10 @@ def test_drain_value_is_the_mean_slot_over_the_parents_drain():
     the full batch."""
     planner = Planner(CostModel(curve_from(math.sqrt, batches=(1, 2, 3, 4), tokens=(1, 2, 4))))
     # c(b) = sqrt(b): the last slot at 4 is 4 (2 - sqrt 3) / 2
-    assert planner.slot_value(4) == pytest.approx(2 * (2 - math.sqrt(3)), rel=1e-3)
+    assert slot_value(planner.cost, 4) == pytest.approx(2 * (2 - math.sqrt(3)), rel=1e-3)
     # the 4 samples drain from 4 to 1: 4 (2 - 1) / (3 * 2)
-    assert planner.drain_value(4, 4) == pytest.approx(4 / 6, rel=1e-3)
-    assert planner.drain_value(4, 1) == planner.slot_value(4)
+    assert drain_value(planner.cost, 4, 4) == pytest.approx(4 / 6, rel=1e-3)
+    assert drain_value(planner.cost, 4, 1) == slot_value(planner.cost, 4)
 
 
 def test_a_sample_ahead_of_its_siblings_drafts_only_where_a_slot_pays():
@@ -1118,7 +1131,7 @@ def test_a_sample_ahead_of_its_siblings_drafts_only_where_a_slot_pays():
     full = planner.plan([view(acc, unchecked=4, g=0, trees=False),
                          view(acc, unchecked=4, g=0, trees=False)])
     assert [s.kind for s in full] == ["draft", "draft"]
-    w = planner.slot_value(2)
+    w = slot_value(planner.cost, 2)
     assert 0.0 < w < 0.5
     lag, ahead = planner.plan([view(acc, unchecked=4, g=0, trees=False, weight=1.0),
                                view(acc, unchecked=4, g=0, trees=False, weight=w)])

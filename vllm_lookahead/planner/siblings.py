@@ -1,24 +1,14 @@
 """What a token gained by one of a parent request's n samples is worth.
 
-vLLM answers a request with ``n`` samples when its last sample ends. A token
-one sample gains moves that end only where the sample would have ended last,
-and only by what it leaves the sample behind the next one; elsewhere it frees
-the sample's batch slot a step earlier. Planning every sample as a request
-of its own overvalues its drafts: sixteen tied samples that each draft now
-and then spread apart, and the parent ends with the one that gained least.
-
-Model (numpy, no vLLM; unit-tested): sample ``i`` with ``r_i`` tokens left
-to its ``max_tokens`` and a typical draft of ``K_i`` tokens each accepted
-with probability ``p_i`` (accepted ``A_i``, truncated geometric: mean
-``mu_i``, variance ``v_i`` a step) needs ``S_i`` more steps, normal with
-mean ``r_i / (1 + mu_i)`` and variance ``r_i v_i / (1 + mu_i)**3`` (renewal
-theory; at least :data:`SPREAD_FLOOR` squared: steps are whole). The parent
-ends after ``max_i S_i`` steps. Sample ``j`` gaining ``a`` tokens now ends
-``a / (1 + mu_j)`` steps sooner; the parent's expected end moves by
-``E[max S] - E[max S']`` (computed on a grid from the normal CDFs), averaged
-over ``A_j``. That share of its expected gain ends the parent sooner, worth
-``end_value`` tokens of the step a parent step; the rest frees its slot,
-worth ``slot_value``.
+vLLM answers a request with ``n`` samples when its last sample ends, so a
+sample's gained token ends the parent sooner only where the sample would end
+last. Model: sample ``i`` with ``r_i`` tokens left and a typical draft of
+``K_i`` tokens each accepted with probability ``p_i`` (accepted ``A_i``: mean
+``mu_i``, variance ``v_i`` a step) needs ``S_i`` more steps, normal with mean
+``r_i / (1 + mu_i)`` and variance ``r_i v_i / (1 + mu_i)**3`` (renewal theory).
+Sample ``j`` gaining ``a`` tokens ends ``a / (1 + mu_j)`` steps sooner; the
+share of its gain that moves ``E[max S]`` is worth a parent step, the rest only
+frees its batch slot early.
 """
 
 from __future__ import annotations
@@ -27,8 +17,7 @@ import math
 
 import numpy as np
 
-#: Smallest spread of a sample's steps to its end (steps): a sample a whole
-#: token behind another ends after it; tied samples end together.
+#: Smallest spread of a sample's steps to its end (steps): steps are whole.
 SPREAD_FLOOR = 0.3
 #: Most grid points of the integral.
 _MAX_POINTS = 1024
@@ -44,43 +33,17 @@ def _ndtr(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.where(x >= 0, erf, -erf))
 
 
-def accepted_pmf(p: float, k: int) -> np.ndarray:
-    """P(A = a), a = 0..k, of a k-token draft whose tokens are each
-    accepted with probability ``p`` given the previous ones were."""
-    k = max(int(k), 1)
-    p = min(max(float(p), 0.0), 1.0)
-    a = np.arange(k + 1)
-    pmf = p ** a * (1.0 - p)
-    pmf[k] = p ** k
-    return pmf
-
-
-def end_shares(remaining: list[int], draws: list[tuple[float, int]]) -> list[float]:
-    """Per sample of one parent, the share of its expected gain from a
-    draft now that ends the parent sooner (0..1; see the module docstring).
-
-    Args:
-        remaining: per sample, tokens left to its ``max_tokens``.
-        draws: per sample, ``(p, K)``: its typical draft's per-token
-            acceptance and length.
-    """
-    return end_shares_many([(remaining, draws)])[0]
-
-
 def end_shares_many(parents: list[tuple[list[int], list[tuple[float, int]]]]) -> list[list[float]]:
-    """:func:`end_shares` of several parents, ``[(remaining, draws)]``, in
-    one pass: the same numbers, with the numpy calls shared (the proposer
-    runs this every step, on arrays of a few hundred floats a parent, where
-    each call's overhead is most of its cost). Each parent keeps its own
-    grid; the parents' arrays are padded to the largest and the padding
-    masked out."""
+    """Per parent ``(remaining, draws)`` -- per sample its tokens left to
+    ``max_tokens`` and its typical draft's ``(p, K)`` -- per sample the share
+    (0..1) of its expected gain from a draft now that ends the parent sooner.
+    All parents in one pass (padded to the largest, each on its own grid):
+    the numpy calls' overhead is most of their cost at these sizes."""
     out: list = [None] * len(parents)
     todo = []
     for j, (remaining, draws) in enumerate(parents):
-        if len(remaining) == 0:
-            out[j] = []
-        elif len(remaining) == 1:
-            out[j] = [1.0]
+        if len(remaining) <= 1:
+            out[j] = [1.0] * len(remaining)
         else:
             todo.append(j)
     if not todo:
@@ -115,18 +78,16 @@ def end_shares_many(parents: list[tuple[list[int], list[tuple[float, int]]]]) ->
     var = np.einsum("pua,a->pu", pmf, a * a) - mu * mu
     mean = r / (1.0 + mu)
     sd = np.sqrt(np.maximum(r * var / (1.0 + mu) ** 3, 0.0) + SPREAD_FLOOR ** 2)
-    # Below lo some sample surely has not ended: the max is above it with
-    # or without a shift (equal parts of both integrals); a sample that
-    # surely ends before lo is never last.
+    # Below lo some sample surely has not ended (equal parts of both
+    # integrals); a sample that surely ends before lo is never last.
     lo = np.where(real, mean - 4.0 * sd, -np.inf).max(axis=1)  # [P]
     near = real & (mean + 4.0 * sd >= lo[:, None])
     hi = (np.where(real, mean + 4.0 * sd, -np.inf).max(axis=1)
           + np.where(real, k / (1.0 + mu), -np.inf).max(axis=1))
-    step = np.where(near, sd, np.inf).min(axis=1) / 3.0  # a third of the narrowest spread that counts
+    step = np.where(near, sd, np.inf).min(axis=1) / 3.0  # a third of the narrowest spread
     points = np.minimum(np.maximum((hi - lo) / step, 16), _MAX_POINTS).astype(np.int64)
     width = int(points.max()) + 1
-    # np.linspace(lo, hi, points + 1) of each parent, as it computes it;
-    # past a parent's last point, its last point again (masked out)
+    # np.linspace(lo, hi, points + 1) of each parent; past its last point, hi (masked out)
     col = np.arange(width, dtype=np.float64)
     x = col[None, :] * ((hi - lo) / points)[:, None] + lo[:, None]
     inside = col[None, :] <= points[:, None]
@@ -135,8 +96,8 @@ def end_shares_many(parents: list[tuple[list[int], list[tuple[float, int]]]]) ->
     sel_p, sel_u = np.nonzero(near)
     # sample u gaining a tokens ends a / (1 + mu) steps sooner  [R, k_max, X]
     shift = a[None, 1:, None] / (1.0 + mu[sel_p, sel_u, None, None])
-    # the normal CDFs of every sample on its parent's grid [P, U, X] and of
-    # the near ones shifted [R, k_max, X], in one call (padding: mean 0, sd 1)
+    # the CDFs of every sample on its parent's grid [P, U, X] and of the
+    # near ones shifted [R, k_max, X], in one call (padding: mean 0, sd 1)
     m_all, s_all = np.where(real, mean, 0.0), np.where(real, sd, 1.0)
     z = np.concatenate((((x[:, None, :] - m_all[..., None]) / s_all[..., None]).ravel(),
                         ((x[sel_p, None, :] + shift - mean[sel_p, sel_u, None, None])
@@ -164,3 +125,72 @@ def end_shares_many(parents: list[tuple[list[int], list[tuple[float, int]]]]) ->
         row = shares[q].tolist()
         out[j] = [row[u] for u in index[q]]
     return out
+
+
+def sibling_rows(groups: list, remaining: list) -> list[list[int]]:
+    """The rows of each parent (``groups[r]``, None: none) with two or more
+    live samples, all with an output cap (``remaining[r]`` not None)."""
+    members: dict = {}
+    for r, g in enumerate(groups):
+        if g is not None:
+            members.setdefault(g, []).append(r)
+    return [rows for rows in members.values()
+            if len(rows) >= 2 and all(remaining[r] is not None for r in rows)]
+
+
+def sibling_weights(groups: list, remaining: list, slot_value, end_value,
+                    draws: list) -> list[float]:
+    """Per request, what a token it gains is worth in tokens of the step
+    (``RequestView.weight``): for a sample of a parent (``groups``, tokens
+    left ``remaining``, typical draft ``draws`` ``(p, K)``), its end share
+    times ``end_value(k)`` plus the rest times ``slot_value(k)`` (``k``: the
+    parent's live samples); 1 for a request without live siblings or cap."""
+    out = [1.0] * len(groups)
+    parents = sibling_rows(groups, remaining)
+    every = end_shares_many([([remaining[r] for r in rows], [draws[r] for r in rows])
+                             for rows in parents])
+    for rows, shares in zip(parents, every):
+        value, slot = end_value(len(rows)), slot_value(len(rows))
+        for r, share in zip(rows, shares):
+            out[r] = share * value + (1.0 - share) * slot
+    return out
+
+
+def _plain(cost, batch: int) -> float:
+    return cost.predict(max(batch, 1), 1.0, tree=False)
+
+
+def slot_value(cost, batch: int) -> float:
+    """A token that only frees a request's slot a step earlier, in tokens of
+    a ``batch``-request step (``cost``: a ``CostModel``): the seconds one
+    request adds to a plain step at the plain rate, ``b (c(b) - c(b-1)) / c(b)``."""
+    c = _plain(cost, batch)
+    if batch <= 1 or c <= 0:
+        return 1.0
+    return min(max(batch * (c - _plain(cost, batch - 1)) / c, 0.0), 1.0)
+
+
+def drain_value(cost, batch: int, samples: int) -> float:
+    """:func:`slot_value` of one of a parent's ``samples`` live samples: its
+    slot is freed as the samples drain from the step, so the mean a sample
+    adds over that drain, ``b (c(b) - c(b - k + 1)) / ((k - 1) c(b))``."""
+    if batch <= 1 or samples <= 1:
+        return slot_value(cost, batch)
+    c = _plain(cost, batch)
+    if c <= 0:
+        return 1.0
+    last = _plain(cost, batch - samples + 1)
+    return min(max(batch * (c - last) / ((samples - 1) * c), 0.0), 1.0)
+
+
+def end_value(cost, batch: int, samples: int) -> float:
+    """A parent of ``samples`` live samples ending a step sooner, in tokens of
+    a ``batch``-request step: its last step (its last sample with the others,
+    ``c(b - k + 1)``) at the plain rate less the others' tokens,
+    ``b c(b - k + 1) / c(b) - (b - k)``; between :func:`slot_value` and ``k``."""
+    c = _plain(cost, batch)
+    if c <= 0 or batch <= 1:
+        return 1.0
+    last = _plain(cost, batch - samples + 1)
+    return min(max(batch * last / c - max(batch - samples, 0), slot_value(cost, batch)),
+               float(samples))
