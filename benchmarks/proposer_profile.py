@@ -106,7 +106,6 @@ PARTS = (
     ("proposer", "LookaheadProposer", "propose_for_runner", "proposer (all)", ()),
     ("proposer", "StepTimer", "book", "StepTimer.book", ()),
     ("planner.step", "StepDrafter", "run", "step.run", ()),
-    ("planner.step", "StepDrafter", "_step_weights", "samples' weights (held or taken)", ()),
     ("planner.step", "StepDrafter", "_weights", "samples' weights taken", ()),
     ("planner.step", "StepDrafter", "_plan", "_plan", ()),
     ("planner.step", "StepDrafter", "_fused_plan", "_fused_plan", ()),

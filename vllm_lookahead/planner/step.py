@@ -13,8 +13,6 @@ step gains. The :class:`~.planner.Planner` picks each request's shape.
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from vllm_lookahead.algo.drafting import Live, candidates, lookup, read_tree, unchecked_draft
@@ -40,12 +38,6 @@ class StepDrafter:
         prior: the engine's ``AcceptancePrior`` (unused here).
     """
 
-    #: Steps the samples' weights (:meth:`_weights`, the proposer's costliest
-    #: numpy) are held while the batch keeps its requests ...
-    WEIGHTS_EVERY = 4
-    #: ... and none gained more than this many tokens beyond one a step.
-    WEIGHTS_SLACK = 2
-
     def __init__(self, cfg, fused: bool, max_model_len: int, stats, prior=None) -> None:
         self.cfg = cfg
         self.fused = fused
@@ -58,9 +50,6 @@ class StepDrafter:
         self.trees = True
         #: The engine's ``SharedMemory`` (None: ``shared_memory`` off).
         self.memory = None
-        #: ``(key, age, {id(state): (weakref, weight, planned, n_tok)})`` of
-        #: the last weights taken (:meth:`_step_weights`).
-        self._held_weights = None
 
     def run(self, live: list[Live], num_rows: int, num_decoding: int, spec_k: int,
             joined: bool, token_ids: np.ndarray, run_trees,
@@ -90,7 +79,7 @@ class StepDrafter:
             for r in live:
                 r.state.draft_sources, r.state.lookup = [], []
             live = []
-        by_row, planned_rows = self._step_weights(live, num_decoding, closed)
+        by_row, planned_rows = self._weights(live, num_decoding, closed)
         if self.cfg.prompt_pool:
             for r in live:
                 r.state.add_context_ngrams(token_ids[r.i], r.state.settings.ngram_size, r.n_tok)
@@ -120,30 +109,6 @@ class StepDrafter:
         return drafts, planned
 
     # -- planning ------------------------------------------------------------
-    def _step_weights(self, everyone: list[Live], batch: int,
-                      closed: bool) -> tuple[dict[int, float] | None, set[int]]:
-        """:meth:`_weights`, held for :attr:`WEIGHTS_EVERY` steps while the
-        batch keeps its requests, size and ``closed`` and no request gained
-        more than :attr:`WEIGHTS_SLACK` tokens beyond one a step (counted in
-        steps and tokens, never time: the same on every run)."""
-        key = (batch, closed, len(everyone))
-        held = self._held_weights
-        if held is not None and held[0] == key and held[1] + 1 < self.WEIGHTS_EVERY:
-            age, by_state = held[1] + 1, held[2]
-            got = [by_state.get(id(r.state)) for r in everyone]
-            if all(g is not None and g[0]() is r.state
-                   and age <= r.n_tok - g[3] <= age + self.WEIGHTS_SLACK
-                   for r, g in zip(everyone, got)):
-                self._held_weights = (key, age, by_state)
-                return ({r.i: g[1] for r, g in zip(everyone, got)},
-                        {r.i for r, g in zip(everyone, got) if g[2]})
-        by_row, planned = self._weights(everyone, batch, closed)
-        # states by weak reference: a finished request's state is freed with it
-        self._held_weights = None if by_row is None else (key, 0, {
-            id(r.state): (weakref.ref(r.state), by_row[r.i], r.i in planned, r.n_tok)
-            for r in everyone})
-        return by_row, planned
-
     def _weights(self, everyone: list[Live], batch: int,
                  closed: bool = False) -> tuple[dict[int, float] | None, set[int]]:
         """Per request (by row) what a gained token is worth
