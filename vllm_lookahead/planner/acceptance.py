@@ -1,13 +1,11 @@
 """Measured acceptance: what a step gains from each kind of draft.
 
-Per request, running estimates of the tokens a step gains from an
-**unchecked draft** (a lookup: per-token acceptance ``p`` per kind of lookup,
-scored against the text whatever ran, :meth:`RequestAcceptance.observe_unchecked`),
-a **tree** with ``g`` candidates and a share of the Jacobi window (confirmed
-tokens ``m``; one tree tells what every smaller one would have confirmed), and
-a **checked draft** (``p_checked``). The engine's :class:`AcceptancePrior`
-pools every request's outcomes; new requests start from it, and between trees
-a request's tree estimates relax towards it. Pure Python.
+Per request, running estimates of an **unchecked draft**'s per-token
+acceptance per kind of lookup (scored against the text whatever ran), the
+tokens a **tree** of ``g`` candidates and a share of the window confirms, and
+a **checked draft**'s per-token acceptance. The engine's
+:class:`AcceptancePrior` pools every request's outcomes; requests start from
+it and their tree estimates relax towards it between trees.
 """
 
 from __future__ import annotations
@@ -16,20 +14,17 @@ from dataclasses import dataclass, field
 
 #: Upper ends of the long own-text match kinds (``suffix8``: 5-8 tokens).
 LONG_SUFFIX_KINDS = (8, 16, 24)
-#: Kinds of unchecked lookup, learnt apart: the continuation of a suffix of
-#: the text (long ones past N, ``lookup_len``), of the shared memory's text,
-#: or the guess for the newest token alone (:data:`GUESS_KINDS`).
+#: Kinds of unchecked lookup, learnt apart: a suffix of the text, of the
+#: shared memory's text, or a guess for the newest token alone.
 LOOKUP_KINDS = (*(f"suffix{b}" for b in reversed(LONG_SUFFIX_KINDS)), "suffix4", "suffix3",
                 "suffix2", "memory12", "memory6", "memory3", "memory2", "memory1", "pool",
                 "poolsplit")
-#: Guesses for the newest token alone: the memory's, the pool's where one
-#: continuation holds most counts (``pool``) and where none does (``poolsplit``).
+#: Guesses for the newest token alone (``pool``: one continuation holds most counts).
 GUESS_KINDS = ("memory1", "pool", "poolsplit")
 #: The kinds that match a key (all but the guesses).
 MATCH_KINDS = tuple(k for k in LOOKUP_KINDS if k not in GUESS_KINDS)
-#: How a match's key places agreed on its first token (appended to its kind,
-#: ``"suffix3+"``: one place, all the same, split), with each class's assumed
-#: factor over all matches' acceptance and assumed share of matches.
+#: How a match's key places agreed on its first token (``"suffix3+"``: one
+#: place, all, split): each class's assumed factor and share of matches.
 AGREEMENT_PRIOR = {"": 1.0, "+": 1.2, "-": 0.6}
 AGREEMENT_MIX = {"": 0.625, "+": 0.25, "-": 0.125}
 #: Highest per-token acceptance a class factor may lift an estimate to.
@@ -37,8 +32,7 @@ P_MAX = 0.98
 
 
 def pool_kind(counts: list[int], best: int) -> str:
-    """``"pool"`` where the guess ``best`` holds more than half of its
-    token's continuation ``counts``, else ``"poolsplit"``."""
+    """``"pool"`` where ``counts[best]`` is over half the counts, else ``"poolsplit"``."""
     return "pool" if 2 * counts[best] > sum(counts) else "poolsplit"
 
 
@@ -50,16 +44,14 @@ def split_kind(kind: str) -> tuple[str, str]:
 
 
 def match_kind(source: str, m: int) -> str:
-    """The kind of an ``m``-token match from ``source`` (``"suffix"``: own
-    text, bucketed past 4 into 8, 16, 24; ``"memory"``: as it is)."""
+    """The kind of an ``m``-token match from ``source`` ("suffix" past 4: 8, 16, 24)."""
     if source == "suffix" and m > 4:
         m = next((b for b in LONG_SUFFIX_KINDS if m <= b), LONG_SUFFIX_KINDS[-1])
     return f"{source}{m}"
 
 
 def geometric_gain(p: float, k: int) -> float:
-    """Expected accepted tokens of a k-token draft, each token accepted
-    with probability ``p`` given the previous ones were."""
+    """Expected accepted tokens of a k-token draft accepted at ``p`` a token."""
     if k <= 0 or p <= 0:
         return 0.0
     if p >= 1:
@@ -68,9 +60,8 @@ def geometric_gain(p: float, k: int) -> float:
 
 
 def window_root(share: float) -> float:
-    """``sqrt(share)`` (at most 1, 0 for none): a tree with ``share`` of
-    the W window columns gets that part of the whole window's gain (the
-    columns' n-grams overlap)."""
+    """The part of the whole window's gain a tree with ``share`` of its
+    columns gets: ``sqrt(share)`` (the columns' n-grams overlap)."""
     if not share or share <= 0:
         return 0.0
     return min(float(share), 1.0) ** 0.5
@@ -78,8 +69,7 @@ def window_root(share: float) -> float:
 
 @dataclass
 class _Rate:
-    """A geometric rate from (accepted, rejected) counts, forgetting ``keep``
-    an update."""
+    """A geometric rate from (accepted, rejected) counts with forgetting."""
 
     hits: float
     misses: float
@@ -96,10 +86,9 @@ class _Rate:
 
 @dataclass
 class _RequestRate(_Rate):
-    """A request's rate of one lookup kind: its own counts over ``w``
-    pseudo-counts (forgetting with them) at the engine's rate of the kind
-    *now* (``rates[kind]``, the prior's live dict): the n samples of a prompt
-    learn a kind together, until their own probes outweigh the engine's."""
+    """A request's rate of a lookup kind: its counts over ``w`` pseudo-counts
+    at the engine's rate *now* (``rates[kind]``): the samples of a prompt
+    learn together until their own probes outweigh the engine's."""
 
     w: float = 0.0
     rates: dict | None = None
@@ -146,15 +135,13 @@ class AcceptancePrior:
     seen: float = 0.0
     calibration: float = 1.0
 
-    #: Pseudo-counts of each kind's assumed rate in the pooled counts, and
-    #: the forgetting per probe of the kind.
+    #: Pseudo-counts of the assumed rates and forgetting per probe: each
+    #: lookup kind's, the agreement classes' (together); then calibration's
+    #: forgetting, expected tokens before it applies, and its bounds.
     UNCHECKED_WEIGHT = 8.0
     UNCHECKED_KEEP = 0.99
-    #: The same for the agreement classes (all together), per match.
     AGREEMENT_WEIGHT = 32.0
     AGREEMENT_KEEP = 0.998
-    #: Calibration: forgetting per draft, expected tokens before it applies,
-    #: and its bounds.
     CALIBRATION_KEEP = 0.98
     CALIBRATION_AFTER = 8.0
     CALIBRATION_MIN = 0.3
@@ -163,8 +150,7 @@ class AcceptancePrior:
     def __post_init__(self) -> None:
         if not isinstance(self.p_unchecked, dict):
             p = 0.5 if self.p_unchecked is None else float(self.p_unchecked)
-            # a longer match predicts its continuation better (past 4 tokens
-            # the text is being copied)
+            # a longer match predicts better (past 4 tokens text is copied)
             self.p_unchecked = {"suffix24": min(p * 1.7, P_MAX), "suffix16": min(p * 1.7, P_MAX),
                                 "suffix8": min(p * 1.5, P_MAX),
                                 "suffix4": p, "suffix3": p * 0.9, "suffix2": p * 0.8,
@@ -173,22 +159,19 @@ class AcceptancePrior:
                                 "poolsplit": p * 0.4}
         w = self.UNCHECKED_WEIGHT
         self.pooled = {k: _Rate(p * w, (1 - p) * w) for k, p in self.p_unchecked.items()}
-        # per agreement class, its matches' first tokens (at the assumed
-        # factors of 0.5, in the assumed mix)
+        # per agreement class, its matches' first tokens (the factors of 0.5)
         w = self.AGREEMENT_WEIGHT
         self.agreement = {a: _Rate(0.5 * f * w * AGREEMENT_MIX[a],
                                    (1 - 0.5 * f) * w * AGREEMENT_MIX[a])
                           for a, f in AGREEMENT_PRIOR.items()}
         self._update_factors()
         if not self.tree_cands:
-            # before any tree ran: LADE's figures, about one token with a few
-            # candidates, rising with g
+            # before any tree ran: LADE's figures, rising with g
             self.tree_cands = [0.8 * (1 - 0.5 ** (g + 1)) / (1 - 0.5 ** self.max_cands)
                                for g in range(self.max_cands)]
 
     def calibrate(self, expected: float, accepted: int) -> None:
-        """A planned unchecked draft: ``expected`` tokens by the calibrated
-        estimate, ``accepted`` by the verifier."""
+        """A planned unchecked draft: ``expected`` tokens, ``accepted`` ones."""
         k = self.CALIBRATION_KEEP
         self.planned = self.planned * k + expected / self.calibration
         self.seen = self.seen * k + accepted
@@ -197,15 +180,13 @@ class AcceptancePrior:
                                    max(self.CALIBRATION_MIN, self.seen / self.planned))
 
     def learn_unchecked(self, kind: str, hits: int, missed: bool) -> None:
-        """A probe of ``kind`` ended after ``hits`` tokens matched (then a
-        mismatch, ``missed``): pooled over every request's probes."""
+        """A probe of ``kind`` ended after ``hits`` matches (``missed``: then a miss)."""
         rate = self.pooled[kind]
         rate.add(hits, missed, self.UNCHECKED_KEEP)
         self.p_unchecked[kind] = rate.p
 
     def observe_agreement(self, agree: str, first_accepted: bool) -> None:
-        """A scored match of class ``agree``, counted by its first token
-        (every class forgets at each match)."""
+        """A scored match of class ``agree``, by its first token."""
         for rate in self.agreement.values():
             rate.add(0, False, self.AGREEMENT_KEEP)
         self.agreement[agree].add(int(first_accepted), not first_accepted, 1.0)
@@ -226,7 +207,7 @@ class AcceptancePrior:
         self.p_checked += self.ema * (p - self.p_checked)
 
     def learn_tree(self, per_g: list[float], window_extra: float | None) -> None:
-        """One tree's outcome: a running mean over the first trees, then an EMA."""
+        """One tree's outcome: a mean over the first trees, then an EMA."""
         self.trees_seen += 1
         rate = max(self.ema, 1.0 / (self.trees_seen + 1))
         for g, m in enumerate(per_g[: self.max_cands]):
@@ -248,13 +229,8 @@ class AcceptancePrior:
 
 
 class RequestAcceptance:
-    """One request's acceptance estimates.
-
-    Args:
-        prior: the engine's :class:`AcceptancePrior` (shared).
-        keep: forgetting of the request's own counts per update.
-        relax: how far the tree estimates move to the prior a step without a tree.
-    """
+    """One request's estimates (``keep``: forgetting of its counts per
+    update; ``relax``: pull of its tree estimates to the ``prior`` a step)."""
 
     def __init__(self, prior: AcceptancePrior, keep: float = 0.9, relax: float = 0.05) -> None:
         self.prior = prior
@@ -275,8 +251,8 @@ class RequestAcceptance:
         self.since_tree = 0
 
     def unchecked_p(self, kind: str = "suffix4") -> float:
-        """Per-token acceptance of an unchecked draft of ``kind`` (a match's
-        times its agreement class's factor, at most :data:`P_MAX`)."""
+        """Per-token acceptance of a lookup of ``kind`` (a match's times its
+        agreement class's factor, at most :data:`P_MAX`)."""
         base, agree = split_kind(kind)
         p = self.unchecked[base].p
         if base in GUESS_KINDS:
@@ -300,11 +276,9 @@ class RequestAcceptance:
                 + (window * root if root else 0.0) for g, root in shapes]
 
     def observe_unchecked(self, draft, produced, kind: str = "suffix4") -> None:
-        """Score the lookup made before a step (``draft``, of ``kind``; empty:
-        none) against the tokens the step ``produced``, over as many steps
-        as its length needs (one probe at a time): each matching token a
-        hit, the first mismatch a miss. Scored on one step alone, an
-        undrafted lookup would be judged on its first token only."""
+        """Score the lookup ``draft`` (of ``kind``) against the tokens steps
+        ``produced``, over as many steps as it needs (one probe at a time),
+        so an undrafted lookup is judged on all its tokens."""
         if self._probe is None:
             if not draft:
                 return
@@ -337,9 +311,8 @@ class RequestAcceptance:
         self.prior.learn_checked(self.checked.p)
 
     def observe_tree(self, matches: list[int], from_window: list[bool], window_on: float) -> None:
-        """A tree ran: ``matches[c]`` tokens of candidate c (in checking
-        order) confirmed; ``from_window[c]``: it came from a Jacobi window;
-        ``window_on``: the share of the W columns carried (0: none)."""
+        """A tree ran: ``matches[c]`` tokens of candidate c confirmed,
+        ``from_window[c]`` from a window; ``window_on``: its column share."""
         g_max = len(self.tree_cands)
         self.tree_runs += 1
         self.since_tree = 0
@@ -365,8 +338,8 @@ class RequestAcceptance:
         self.prior.learn_tree(per_g, extra)
 
     def relax(self) -> None:
-        """A step without a tree: tree estimates move towards the prior,
-        once the engine has measured trees (never towards its assumed start)."""
+        """A step without a tree: tree estimates move towards the prior
+        (once the engine has measured trees)."""
         r, p = self.relax_rate, self.prior
         self.since_tree += 1
         if p.trees_seen <= 0:

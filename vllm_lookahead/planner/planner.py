@@ -1,14 +1,11 @@
 """Per-step planner: each request's :class:`~.shapes.Shape` for the step.
 
-It maximises the batch's expected tokens per second: a shape's tokens from
+It maximises the batch's expected tokens per second, a shape's tokens from
 the request's measured acceptance (:mod:`.acceptance`), the step's seconds
-from the measured cost of a step with that many query tokens
-(:mod:`.cost_model`). The search is coordinate ascent on ``tokens - lambda *
-seconds`` (Dinkelbach, lambda the plan's rate): each request in turn takes its
-best shape given the others', for a few sweeps, from every request off and
-(the verifier's switch being paid once a step) again from every request
-drafting. Shapes that could not beat off with the others off are not
-searched. Pure Python: tested on synthetic cost curves.
+from its measured cost (:mod:`.cost_model`), by coordinate ascent on ``tokens
+- lambda * seconds`` (Dinkelbach, lambda the plan's rate) from every request
+off and again from every request drafting. Shapes that could not beat off
+with the others off are not searched. Pure Python.
 """
 
 from __future__ import annotations
@@ -21,8 +18,8 @@ from vllm_lookahead.planner.shapes import (  # noqa: F401 (re-exported)
     verified_rows, verify_seconds)
 from vllm_lookahead.planner.siblings import sibling_rows, sibling_weights  # noqa: F401
 
-#: Steps a tree run is expected to last before any was seen (a catch-up
-#: tree confirms nothing in its first step: that gain is lost once over these).
+#: Steps a tree run is assumed to last before any was seen (a catch-up tree's
+#: first step confirms nothing: its gain is lost once over these).
 TREE_HORIZON = 8
 
 
@@ -35,18 +32,17 @@ class Planner:
         sweeps: coordinate-ascent sweeps per search.
     """
 
-    #: Share of the planned time that may go to trees not predicted best
-    #: (tree acceptance is learnt only from trees that run) ...
+    #: Share of the planned time that may go to trees not predicted best (tree
+    #: acceptance is learnt only from trees that run), never one making the
+    #: step more than EXPLORE_MAX_STEP plain steps; a request is explored
+    #: EXPLORE_AFTER steps after its last tree, or at its start until the
+    #: prior has learnt from EXPLORE_KNOWN trees.
     EXPLORE_SHARE = 0.03
-    #: ... never one making the step more than this many plain steps.
     EXPLORE_MAX_STEP = 1.5
-    #: Steps after its last tree before a request is explored again.
     EXPLORE_AFTER = 64
-    #: Trees the engine's prior has learnt from, past which a request that
-    #: ran none counts as having run one at its start.
     EXPLORE_KNOWN = 16
-    #: A seeded draft's verifier seconds, first token and each next, in
-    #: one-request steps, where the curve measured none.
+    #: A seeded draft's verifier seconds (first token, each next) in
+    #: one-request steps where the curve measured none.
     SEEDED_FIRST = 0.25
     SEEDED_NEXT = 0.15
 
@@ -54,8 +50,7 @@ class Planner:
         self.cost = cost
         self.fused = fused
         self.sweeps = sweeps
-        #: predicted seconds planned, and spent exploring (deterministic:
-        #: every TP rank plans alike); trees explored
+        #: predicted seconds planned and explored (the same on every TP rank)
         self.planned_s = 0.0
         self.explore_s = 0.0
         self.explored = 0
@@ -70,8 +65,8 @@ class Planner:
         self.min_draft_p = 0.0
 
     def draft_cap(self, p: float) -> int:
-        """The longest unchecked draft weighed at per-token acceptance
-        ``p``: the largest k with ``p^k >= min_draft_p`` (no cap at 0)."""
+        """The longest draft weighed at acceptance ``p``: the largest k with
+        ``p^k >= min_draft_p`` (no cap at 0)."""
         floor = self.min_draft_p
         if floor <= 0.0 or p >= 1.0:
             return 1 << 30
@@ -79,10 +74,9 @@ class Planner:
             return 0
         return int(math.log(floor) / math.log(p) + 1e-9)
 
-    # -- what the cost model measured --------------------------------------------
+    # -- what the cost model measured (nothing where it has no such figure) --------
     def verify(self, batch: int, sampled: bool, seeded: bool = False) -> tuple[float, float]:
-        """vLLM's verifier's ``(first, next)`` seconds for a request's draft
-        in a ``batch``-request step, as measured at start-up ((0, 0): none)."""
+        """vLLM's verifier's ``(first, next)`` seconds for a request's draft."""
         measured = getattr(self.cost, "verify", None)
         return measured(batch, sampled, seeded) if callable(measured) else (0.0, 0.0)
 
@@ -97,8 +91,7 @@ class Planner:
         return measured(batch, sampled, seeded) if callable(measured) else 0.0
 
     def bonus(self, batch: int) -> float:
-        """Seconds of a sampled request's bonus row, saved where its draft
-        is rejected (lazy verifier only; else 0)."""
+        """Seconds a lazy verifier saves where a sampled draft is rejected."""
         measured = getattr(self.cost, "bonus", None)
         return measured(batch, True) if self.lazy_verify and callable(measured) else 0.0
 
@@ -112,9 +105,7 @@ class Planner:
         if v.room <= 0:
             return out
         acc = v.acc
-        if v.chain > 0:
-            # The checked chain is drafted once, then unchecked guesses:
-            # valued as the policy (as a tree's steady state below).
+        if v.chain > 0:  # drafted once, then guesses: valued as the policy
             k = min(v.chain, v.room)
             out.append(Shape("draft", draft=k, tokens=1 + acc.unchecked_gain(k),
                              extra_s=v.verify_s(k, v.draft_p())))
@@ -146,12 +137,9 @@ class Planner:
 
     def steady_draft(self, acc: RequestAcceptance, kind: str, k_max: int,
                      batch: int = 1) -> int:
-        """A seeded request's draft length, from nothing timed while it runs
-        (its tokens must be the same on every run): the k <= ``k_max`` with
-        the most tokens per second of a ``batch``-request step where it alone
-        drafts, priced on the start-up curve (``CostModel.plain``) and the
-        seeded verification measured with it (else :attr:`SEEDED_FIRST`,
-        :attr:`SEEDED_NEXT`); ``batch`` is fixed when the request starts."""
+        """A seeded request's draft length from nothing timed while it runs:
+        the k <= ``k_max`` with the most tokens per second of a ``batch``-step
+        (fixed at its start) where it alone drafts, on the start-up curve."""
         plain = self.cost.plain
         b = max(int(batch), 1)
         first, nxt = self.verify(b, True, seeded=True)
@@ -172,9 +160,8 @@ class Planner:
     # -- the batch -----------------------------------------------------------------
     def plan(self, views: list[RequestView], max_tree_tokens: int = 0,
              others: int = 0, explore: bool = False) -> list[Shape]:
-        """One shape per view; ``others``: more requests in the step, off;
-        ``max_tree_tokens``: the step's tree-token budget (0: none);
-        ``explore``: where the plan has no tree, perhaps try one."""
+        """One shape per view (``others``: more requests, off; ``explore``:
+        perhaps try a tree where the plan has none)."""
         r_n = len(views)
         if r_n == 0:
             if explore and others > 0:  # still counts towards exploration's share
@@ -185,7 +172,6 @@ class Planner:
         memo: dict[tuple[int, bool, int], float] = {}
 
         def seconds(total_query: int, trees: int, drafting: int) -> float:
-            """Forward seconds of the step, the views' query tokens summed."""
             key = (total_query, trees > 0, drafting)
             s = memo.get(key)
             if s is None:
@@ -198,19 +184,16 @@ class Planner:
         # requests whose drafts could pay beside another drafting one
         drafts_pay = [v.fixed is None and any(s.kind == "draft" and pays(v, s) for s in o)
                       for v, o in zip(views, options)]
-        searched = self._prune(views, options, pays, drafts_pay, switch)
-        # per option: (query, tree, tokens at its weight, extra seconds,
-        # more than one query token, a draft to verify)
+        searched = self._prune(views, options, pays, drafts_pay)
+        # per option: (query, tree, weighted tokens, extra s, drafting, verified)
         rows = [[(1 + d + nodes, kind == "tree", 1.0 + v.weight * (tokens - 1.0), extra_s,
                   d + nodes > 0, d > 0) for kind, d, _, _, nodes, tokens, extra_s in opts]
                 for v, opts in zip(views, searched)]
         search = _Search(rows, batch - r_n, seconds, memo, switch, self.sweeps)
         pick, rate = search([0] * r_n)
         if switch > 0 and sum(drafts_pay) >= 2:
-            # From every request off the first to draft pays the switch
-            # alone: drafts that pay only together are never reached. So
-            # again from each request whose drafts could pay drafting its
-            # shortest (its option 1); the better plan is kept.
+            # from all off the first to draft pays the switch alone: drafts
+            # that pay only together need a start with them drafting
             start = [int(d) for d in drafts_pay]
             if start != pick:
                 other, other_rate = search(start)
@@ -231,57 +214,43 @@ class Planner:
 
     @staticmethod
     def _bound(batch: int, r_n: int, seconds):
-        """``pays(view, shape, once=0)``: whether ``shape`` beats off for its
-        request with every other request off -- its weighted gain against its
-        forward's seconds beyond the plain step, its extra seconds and
-        ``once`` where it drafts, at the plain step's rate. Else the search
-        never picks it: with others on a step costs at least as much more
-        and the plan's rate is at least the plain one's."""
+        """``pays(view, shape)``: whether ``shape`` beats off with the others
+        off (its weighted gain against its seconds at the plain rate; the
+        verifier's switch left out, shared). Else the search never picks it:
+        with others on, a step costs as much more and the rate is higher."""
         plain = seconds(r_n, 0, 0)
         lam = batch / plain
 
-        def pays(v: RequestView, s: Shape, once: float = 0.0) -> bool:
+        def pays(v: RequestView, s: Shape) -> bool:
             q = 1 + s.draft + s.nodes
             sec = seconds(r_n - 1 + q, int(s.kind == "tree"), int(q > 1)) - plain + s.extra_s
-            return v.weight * (s.tokens - 1.0) > lam * (sec + (once if s.draft else 0.0))
+            return v.weight * (s.tokens - 1.0) > lam * sec
         return pays
 
-    def _prune(self, views, options, pays, drafts_pay, switch: float) -> list[list[Shape]]:
-        """Per request the shapes the search weighs: all where a tree could
-        pay, off and its drafts where a draft could (``drafts_pay``), else
-        off; the one request left that could draft, no fixed one drafting,
-        pays the ``switch`` alone. Fixed views keep their shape."""
-        def keep(v: RequestView, opts: list[Shape], drafts: bool, once: float) -> list[Shape]:
+    def _prune(self, views, options, pays, drafts_pay) -> list[list[Shape]]:
+        """Per request the shapes searched: all where a tree could pay, else
+        off and its drafts where one could (``drafts_pay``), else off."""
+        def keep(v: RequestView, opts: list[Shape], drafts: bool) -> list[Shape]:
             n = 1 + sum(s.kind == "draft" for s in opts)
-            if any(pays(v, s, once) for s in opts[n:]):
+            if any(pays(v, s) for s in opts[n:]):
                 return opts
             return opts[:n] if drafts else opts[:1]
 
-        out = [opts if v.fixed is not None else keep(v, opts, d, 0.0)
+        out = [opts if v.fixed is not None else keep(v, opts, d)
                for v, opts, d in zip(views, options, drafts_pay)]
-        movers = [r for r, (v, o) in enumerate(zip(views, out)) if v.fixed is None and len(o) > 1]
-        if len(movers) == 1 and switch > 0 and not any(
-                v.fixed is not None and v.fixed.draft > 0 for v in views):
-            v = views[movers[0]]
-            drafts = any(pays(v, s, switch) for s in out[movers[0]] if s.kind == "draft")
-            out[movers[0]] = keep(v, out[movers[0]], drafts, switch)
         self.left_off += sum(v.fixed is None and len(o) == 1 for v, o in zip(views, out))
         return out
 
     def explore_due(self, acc) -> bool:
-        """Whether a request (its ``RequestAcceptance``) is due an
-        exploration tree: it ran none (and the prior knows fewer than
-        :attr:`EXPLORE_KNOWN`) or its last is :attr:`EXPLORE_AFTER` steps back."""
+        """Whether a request's acceptance ``acc`` is due an exploration tree."""
         known = getattr(getattr(acc, "prior", None), "trees_seen", 0) >= self.EXPLORE_KNOWN
         return not ((getattr(acc, "tree_runs", 0) or known)
                     and getattr(acc, "since_tree", 0) < self.EXPLORE_AFTER)
 
     def _explore(self, chosen, options, views, sec, seconds, max_tree_tokens,
                  switch: float) -> None:
-        """Give one request due a tree (:meth:`explore_due`, in turn) the
-        tree that loses least against the plan, where the steps explored
-        stay within :attr:`EXPLORE_SHARE` of the time planned and the step
-        within :attr:`EXPLORE_MAX_STEP` plain steps."""
+        """Give one request due a tree, in turn, the tree losing least
+        against the plan within the exploration's credit."""
         credit = self.EXPLORE_SHARE * self.planned_s - self.explore_s
         r_n = len(chosen)
         plain = seconds(r_n, 0, 0)
@@ -320,9 +289,7 @@ class Planner:
 
     @staticmethod
     def _fit(chosen: list[Shape], options: list[list[Shape]], budget: int) -> list[Shape]:
-        """Shrink trees until their nodes fit ``budget``: each time the tree
-        losing the fewest tokens per node removed goes to its best smaller
-        shape."""
+        """Shrink trees to ``budget`` nodes, least tokens lost per node first."""
         chosen = list(chosen)
         while sum(s.nodes for s in chosen) > budget:
             best = None
@@ -341,10 +308,9 @@ class Planner:
 
 
 class _Search:
-    """Coordinate ascent over ``rows`` (per request, its options as
-    :meth:`Planner.plan` tabulates them): called with a start pick, each
-    request in turn takes its best option given the others' for up to
-    ``sweeps`` sweeps; returns the picks and the plan's tokens per second."""
+    """Coordinate ascent over ``rows`` (:meth:`Planner.plan`'s): from a start
+    pick each request takes its best option given the others', for up to
+    ``sweeps`` sweeps; returns the picks and the plan's rate."""
 
     def __init__(self, rows, others: int, seconds, memo: dict, switch: float,
                  sweeps: int) -> None:

@@ -1,14 +1,11 @@
-"""One engine step's drafts: which request runs what, in either mode.
+"""One engine step's drafts (engine-agnostic): the planner's shape per request.
 
-:class:`StepDrafter` takes the step's decoding requests and the batch's tokens
-and returns one draft per row (engine-agnostic, no vLLM). **fused** (one
-forward a step): a request drafts the checked chain its last tree left minus
-its last token, which roots this step's tree, appended to vLLM's query rows;
-without a chain it drafts its unchecked lookup beside a *catch-up* tree rooted
-at its newest token. **separate**: one extra tree-masked forward checks the
-candidates and the draft is the best confirmed chain. Either way vLLM's
-rejection sampler verifies the draft, so it decides only how many tokens a
-step gains. The :class:`~.planner.Planner` picks each request's shape.
+**fused** (one forward a step): a request drafts the checked chain its last
+tree left minus its last token, which roots this step's tree in vLLM's query
+rows; without a chain it drafts its lookup beside a *catch-up* tree rooted at
+its newest token. **separate**: an extra tree-masked forward checks the
+candidates and the draft is the best confirmed chain. vLLM's rejection
+sampler verifies every draft: a draft decides only how many tokens come.
 """
 
 from __future__ import annotations
@@ -28,15 +25,9 @@ CATCH_UP_DRAFT_P = 0.25
 
 
 class StepDrafter:
-    """The drafts of one engine step for the batch's decoding requests.
-
-    Args:
-        cfg: the engine's :class:`~vllm_lookahead.config.LookaheadConfig`.
-        fused: fused mode (else separate).
-        max_model_len: no tree node may sit at this position or beyond.
-        stats: the proposer's :class:`~vllm_lookahead.stats.LookaheadStats`.
-        prior: the engine's ``AcceptancePrior`` (unused here).
-    """
+    """The drafts of one engine step (``cfg``: the ``LookaheadConfig``;
+    ``max_model_len``: no tree node at or past it; ``stats``: the proposer's
+    ``LookaheadStats``; ``prior``: unused)."""
 
     def __init__(self, cfg, fused: bool, max_model_len: int, stats, prior=None) -> None:
         self.cfg = cfg
@@ -44,35 +35,23 @@ class StepDrafter:
         self.max_model_len = max_model_len
         self.stats = stats
         self.disable_batch_size = cfg.disable_batch_size or 0
-        #: Planner (``adaptive``), set at warm-up; None: the full tree every step.
-        self.planner = None
-        #: Whether trees may run (False: the attention backend cannot).
-        self.trees = True
-        #: The engine's ``SharedMemory`` (None: ``shared_memory`` off).
-        self.memory = None
+        self.planner = None  # set at warm-up (``adaptive``); None: the full tree
+        self.trees = True  # False: the attention backend cannot run trees
+        self.memory = None  # the engine's SharedMemory (None: off)
 
     def run(self, live: list[Live], num_rows: int, num_decoding: int, spec_k: int,
             joined: bool, token_ids: np.ndarray, run_trees,
             closed: bool = False) -> tuple[list, tuple | None]:
-        """Drafts for the step.
+        """Per row its draft, and the step as planned (``(requests, query
+        tokens per request, any tree, drafting requests, verifier seconds as
+        measured, least ``(first, next)`` of a drafting request or None)``;
+        None: not planned).
 
-        Args:
-            live: the requests that decode with lookahead on.
-            num_rows: rows of the batch; num_decoding: rows that decode.
-            spec_k, joined: vLLM's longest draft now, whether a request
-                joined (unused here).
-            token_ids: int [rows, >= n_tok] the batch's tokens.
-            run_trees: ``[(row, PlannedTree)] -> [int [T] argmax per node]``,
-                one tree-masked forward (separate mode).
-            closed: plan the batch for its end (``batch_end``).
-
-        Returns:
-            per row its draft (token ids), and the step as planned,
-            ``(requests, query tokens per request, any tree, requests with
-            more than one query token, verifier seconds as measured, the
-            least ``(first, next)`` of a drafting request or None)`` (None:
-            not planned).
-        """
+        ``live``: the requests decoding with lookahead; ``num_decoding``: rows
+        decoding; ``token_ids``: int [rows, >= n_tok]; ``run_trees``:
+        ``[(row, PlannedTree)] -> [int [T] argmax per node]`` (separate
+        mode); ``closed``: plan the batch for its end; ``spec_k``,
+        ``joined``: unused."""
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         if self.disable_batch_size and num_decoding >= self.disable_batch_size:
             self.stats.steps_off += 1
@@ -111,10 +90,9 @@ class StepDrafter:
     # -- planning ------------------------------------------------------------
     def _weights(self, everyone: list[Live], batch: int,
                  closed: bool = False) -> tuple[dict[int, float] | None, set[int]]:
-        """Per request (by row) what a gained token is worth
-        (:func:`~.siblings.sibling_weights` over the samples of a parent;
-        None: all 1), and the rows planned for their parent. ``closed``: the
-        whole batch is one parent, where every request has an output cap."""
+        """By row what a gained token is worth (:func:`~.siblings.sibling_weights`;
+        None: all 1) and the rows planned for their parent (``closed``: the
+        whole batch is one, where every request has an output cap)."""
         closed = (closed and len(everyone) > 1
                   and all(r.state.max_tokens is not None for r in everyone))
         if self.planner is None or not everyone or not closed and (
@@ -139,10 +117,9 @@ class StepDrafter:
 
     def _plan(self, live: list[Live], drafts, token_ids,
               weights: list[float] | None = None) -> tuple[list, tuple | None]:
-        """Look up and plan each live request (``weights``: what a gained
-        token is worth, :meth:`_weights`); drafts without a tree go into
-        ``drafts``. Returns ``(live, window, cands)`` of the requests that
-        get a tree, and the step as planned (:meth:`run`)."""
+        """Look up and plan each request; drafts without a tree go into
+        ``drafts``. Returns ``(live, window, cands)`` of those with a tree,
+        and the step as planned (:meth:`run`)."""
         if not live:
             return [], None
         planner = self.planner
@@ -159,8 +136,7 @@ class StepDrafter:
             kinds = (True, False)
             verify = {k: planner.verify_seen(batch, k) for k in kinds}
             switch = {k: planner.switch(batch, k) for k in kinds}
-            # steps are booked less the verification as measured (verify_seen
-            # learns what they undo of it)
+            # steps are booked less the verification as measured
             measured = {k: planner.verify(batch, k) for k in kinds}
             # bonus rows are cut only where every request allows it
             bonus = planner.bonus(batch) if all(r.state.lazy_bonus for r in live) else 0.0
@@ -179,8 +155,7 @@ class StepDrafter:
             left_off = planner.left_off
             shapes = planner.plan(views, self.cfg.max_tree_tokens, explore=True)
             st.requests_unpaid += planner.left_off - left_off
-            # per drafting request: (measured (first, next), its verification
-            # as priced with them)
+            # per drafting request: (measured (first, next), its verification)
             counted = [(measured[r.state.sampled],
                         v.verify_s(sh.draft, v.draft_p(tree=sh.kind == "tree"),
                                    measured[r.state.sampled]))
@@ -219,11 +194,9 @@ class StepDrafter:
 
     # -- trees ---------------------------------------------------------------
     def _fused_plan(self, trees, drafts, token_ids) -> bool:
-        """Plan the trees that ride in the next forward, ``(live, window,
-        cands)`` each, under one token budget: a request with a checked chain
-        drafts it but its last token, the tree's root; one without drafts
-        :func:`catch_up_draft_len` of its lookup beside a catch-up tree rooted
-        at its newest token. Returns whether the budget left the windows out."""
+        """Plan the trees riding in the next forward, ``(live, window, cands)``
+        each, under one budget (a checked chain's last token roots its tree;
+        without one, a catch-up tree). Returns whether windows were cut."""
         asks, rows = [], []
         for r, w, g in trees:
             state, chain = r.state, r.chain
@@ -256,10 +229,8 @@ class StepDrafter:
         return not use_window
 
     def _separate_pass(self, trees, drafts, token_ids, run_trees) -> bool:
-        """One extra tree-masked forward rooted at each request's newest
-        token (``trees``: ``(live, window, cands)``); its draft is the chain
-        the tree confirmed (no tree: its lookup). Returns whether the budget
-        left the windows out."""
+        """One extra forward of the ``(live, window, cands)`` trees; a draft is
+        the chain its tree confirmed. Returns whether windows were cut."""
         asks = []
         for r, w, g in trees:
             text = token_ids[r.i, : r.n_tok]
@@ -288,9 +259,8 @@ class StepDrafter:
 
 
 def catch_up_draft_len(state, room: int) -> int:
-    """How much of its lookup a request drafts in a catch-up step: the
-    longest k with ``p^k >= CATCH_UP_DRAFT_P``, p its own acceptance of the
-    lookup's kind (learnt from its text alone: the same on every run)."""
+    """Tokens of its lookup a request drafts in a catch-up step: the most k
+    with ``p^k >= CATCH_UP_DRAFT_P``, ``p`` its own acceptance of the kind."""
     if room <= 0 or not state.lookup:
         return 0
     p = state.acc.unchecked_p(state.lookup_kind)
@@ -303,22 +273,19 @@ def catch_up_draft_len(state, room: int) -> int:
 
 def _request_view(r: Live, token_ids: np.ndarray, prompt_pool: bool,
                   trees_here: bool = True, planner=None) -> RequestView:
-    """A request as the planner sees it this step (its lookup done);
-    ``trees_here``: the engine can run trees; ``planner`` sizes a seeded
-    request's draft (:meth:`~.planner.Planner.steady_draft`)."""
+    """A request as the planner sees it (its lookup done); ``planner`` sizes
+    a seeded request's draft (:meth:`~.planner.Planner.steady_draft`)."""
     state, s = r.state, r.state.settings
     trees = trees_here and not state.seeded
     g = 0
     if trees:
-        # the candidates the tree could check: the pool's for its root
-        # (plus, with the prompt pool, perhaps a suffix match)
+        # the candidates: the pool's for its root (and perhaps a suffix match)
         root = (r.chain[min(len(r.chain) - 1, r.room)] if r.chain
                 else int(token_ids[r.i, r.n_tok - 1]))
         g = state.pool.count(int(root)) + int(prompt_pool)
     fixed = None
     if state.seeded:
-        # Nothing timed may decide a seeded draft: its text, what it learnt
-        # from it, and the start-up curve in a batch fixed at its start.
+        # nothing timed may decide a seeded draft (the same on every run)
         k = min(len(state.lookup), r.room)
         if planner is not None and k > 0:
             k = planner.steady_draft(state.acc, state.lookup_kind, k, state.seeded_batch)
