@@ -189,7 +189,9 @@ class Planner:
         rows = [[(1 + d + nodes, kind == "tree", 1.0 + v.weight * (tokens - 1.0), extra_s,
                   d + nodes > 0, d > 0) for kind, d, _, _, nodes, tokens, extra_s in opts]
                 for v, opts in zip(views, searched)]
-        search = _Search(rows, batch - r_n, seconds, memo, switch, self.sweeps)
+        def search(pick):
+            return _search(rows, pick, batch - r_n, seconds, memo, switch, self.sweeps)
+
         pick, rate = search([0] * r_n)
         if switch > 0 and sum(drafts_pay) >= 2:
             # from all off the first to draft pays the switch alone: drafts
@@ -307,51 +309,44 @@ class Planner:
         return chosen
 
 
-class _Search:
-    """Coordinate ascent over ``rows`` (:meth:`Planner.plan`'s): from a start
-    pick each request takes its best option given the others', for up to
-    ``sweeps`` sweeps; returns the picks and the plan's rate."""
-
-    def __init__(self, rows, others: int, seconds, memo: dict, switch: float,
-                 sweeps: int) -> None:
-        self.rows, self.others, self.seconds = rows, others, seconds
-        self.memo, self.switch, self.sweeps = memo, switch, sweeps
-
-    def __call__(self, pick: list[int]) -> tuple[list[int], float]:
-        rows, memo, seconds, switch = self.rows, self.memo, self.seconds, self.switch
-        cur = [rows[r][j] for r, j in enumerate(pick)]
-        q_tot, n_tree, tok, extra, n_draft, n_ver = (sum(c[i] for c in cur) for i in range(6))
-        tok += self.others  # the others: one token each
-        for _ in range(self.sweeps):
-            lam = tok / (seconds(q_tot, n_tree, n_draft) + extra + (switch if n_ver else 0.0))
-            changed = False
-            for r, opts in enumerate(rows):
-                if len(opts) == 1:
-                    continue
-                cq, ctree, ctok, cextra, cdraft, cver = opts[pick[r]]
-                q_base, t_base = q_tot - cq, n_tree - ctree
-                d_base, v_base = n_draft - cdraft, n_ver - cver
-                best, best_val = pick[r], None
-                for j, (oq, otree, otok, oextra, odraft, over) in enumerate(opts):
-                    key = (q_base + oq, t_base + otree > 0, d_base + odraft)
-                    sec = memo.get(key)  # seconds(), inlined: the innermost loop
-                    if sec is None:
-                        sec = seconds(*key)
-                    if v_base or over:
-                        sec += switch
-                    val = otok - lam * (sec + oextra)
-                    if best_val is None or val > best_val + 1e-12:
-                        best, best_val = j, val
-                if best != pick[r]:
-                    nq, ntree, ntok, nextra, ndraft, nver = opts[best]
-                    q_tot += nq - cq
-                    extra += nextra - cextra
-                    tok += ntok - ctok
-                    n_tree += ntree - ctree
-                    n_draft += ndraft - cdraft
-                    n_ver += nver - cver
-                    pick[r] = best
-                    changed = True
-            if not changed:
-                break
-        return pick, tok / (seconds(q_tot, n_tree, n_draft) + extra + (switch if n_ver else 0.0))
+def _search(rows, pick: list[int], others: int, seconds, memo: dict, switch: float,
+            sweeps: int) -> tuple[list[int], float]:
+    """Coordinate ascent over ``rows`` (:meth:`Planner.plan`'s) from ``pick``:
+    each request takes its best option given the others', for up to
+    ``sweeps`` sweeps. Returns the picks and the plan's rate."""
+    cur = [rows[r][j] for r, j in enumerate(pick)]
+    q_tot, n_tree, tok, extra, n_draft, n_ver = (sum(c[i] for c in cur) for i in range(6))
+    tok += others  # the others: one token each
+    for _ in range(sweeps):
+        lam = tok / (seconds(q_tot, n_tree, n_draft) + extra + (switch if n_ver else 0.0))
+        changed = False
+        for r, opts in enumerate(rows):
+            if len(opts) == 1:
+                continue
+            cq, ctree, ctok, cextra, cdraft, cver = opts[pick[r]]
+            q_base, t_base = q_tot - cq, n_tree - ctree
+            d_base, v_base = n_draft - cdraft, n_ver - cver
+            best, best_val = pick[r], None
+            for j, (oq, otree, otok, oextra, odraft, over) in enumerate(opts):
+                key = (q_base + oq, t_base + otree > 0, d_base + odraft)
+                sec = memo.get(key)  # seconds(), inlined: the innermost loop
+                if sec is None:
+                    sec = seconds(*key)
+                if v_base or over:
+                    sec += switch
+                val = otok - lam * (sec + oextra)
+                if best_val is None or val > best_val + 1e-12:
+                    best, best_val = j, val
+            if best != pick[r]:
+                nq, ntree, ntok, nextra, ndraft, nver = opts[best]
+                q_tot += nq - cq
+                extra += nextra - cextra
+                tok += ntok - ctok
+                n_tree += ntree - ctree
+                n_draft += ndraft - cdraft
+                n_ver += nver - cver
+                pick[r] = best
+                changed = True
+        if not changed:
+            break
+    return pick, tok / (seconds(q_tot, n_tree, n_draft) + extra + (switch if n_ver else 0.0))
