@@ -196,9 +196,7 @@ class CostModel:
     mean of log(seen / predicted), each step's clipped to [1/2, 2]. Steps
     without (vLLM's own rows): a :class:`~.fit.Plane` fitted to the steps
     booked less the verification as measured, from the prior :meth:`plain`,
-    where :meth:`learns_plain`. Its draft slopes may fall below 0 (the
-    verification timed apart overstates what it adds inside a step): that part
-    comes off the verification (:meth:`verify_seen`), never off the forward.
+    where :meth:`learns_plain`.
     :meth:`predict` reads only the corrections :meth:`agreed` installed (tensor
     parallel ranks must plan alike) and keeps its answers until the next.
     """
@@ -222,9 +220,6 @@ class CostModel:
         self._n: dict[int, int] = {}  # bucket -> tree steps seen
         self._lines: dict[int, Plane] = {}
         self._level: dict[int, float] = {}  # bucket -> recent residual of the plane
-        #: bucket -> running mean of the least (first, next) verification of
-        #: the steps' drafting kinds (the plane's slope floors)
-        self._least: dict[int, tuple[float, float]] = {}
         #: agreed corrections: (bucket, True) -> tree factor, (bucket, False) -> plane
         self.factors: dict[tuple[int, bool], object] = {}
         self._memo: dict[tuple, float] = {}
@@ -275,14 +270,8 @@ class CostModel:
         return self.curve.verify_row(batch, sampled, seeded)[3]
 
     def verify_seen(self, batch: int, sampled: bool) -> tuple[float, float]:
-        """:meth:`verify` less the plane's draft slopes below 0 (never below
-        nothing): what an unseeded request's draft is priced with."""
-        first, nxt = self.verify(batch, sampled)
-        line = self.factors.get((bucket_of(batch), False))
-        if line is None:
-            return first, nxt
-        q, r = min(line[2], 0.0), min(line[3], 0.0)
-        return max(first + q + r, 0.0), max(nxt + q, 0.0)
+        """What an unseeded request's draft is priced with: :meth:`verify`."""
+        return self.verify(batch, sampled)
 
     def predict(self, batch: int, tokens: float, tree: bool = True,
                 drafting: int | None = None) -> float:
@@ -308,23 +297,20 @@ class CostModel:
                        self._predict(batch, tokens, False, drafting))
         if line is None:
             return self.plain(batch, tokens)
-        a, p, q, r = line
-        return plane_seconds((a, p, max(q, 0.0), max(r, 0.0)),
-                             plane_features(batch, b, tokens, drafting))
+        return plane_seconds(line, plane_features(batch, b, tokens, drafting))
 
     def observe(self, batch: int, tokens: float, seconds: float, tree: bool = True,
                 drafting: int | None = None,
                 verify_least: tuple[float, float] | None = None) -> None:
         """Book a step (as :meth:`predict` describes it) that took ``seconds``
-        less the verification its plan counted; ``verify_least``: the least
-        ``(first, next)`` of :meth:`verify` among its drafting requests' kinds."""
+        less the verification its plan counted (``verify_least`` is unused)."""
         if not 0 < seconds < math.inf:
             return
         b = bucket_of(batch)
         if not tree:
             if self.source != "assumed" and not self.learns_plain(b):
                 return
-            self._observe_plain(batch, b, tokens, seconds, drafting, verify_least)
+            self._observe_plain(batch, b, tokens, seconds, drafting)
             return
         n = self._n[b] = self._n.get(b, 0) + 1
         if n <= self.SKIP_FIRST:
@@ -334,7 +320,7 @@ class CostModel:
         w = max(1.0 / (n - self.SKIP_FIRST), self.ema)  # a plain mean at first
         self._log[b] = (1 - w) * self._log.get(b, 0.0) + w * r
 
-    def _observe_plain(self, batch, b, tokens, seconds, drafting, verify_least) -> None:
+    def _observe_plain(self, batch, b, tokens, seconds, drafting) -> None:
         line = self._lines.get(b)
         if line is None:
             line = self._lines[b] = Plane()
@@ -345,13 +331,6 @@ class CostModel:
                 (max(self.plain(2 * b, 1) - self.plain(b, 1), 0.0) / b,
                  (self.plain(b, 8) - self.plain(b, 1)) / (7 * b), 0.0),
                 (self.SLOPE_PRIOR * b, self.SLOPE_PRIOR * b * b, self.SLOPE_PRIOR))
-        if verify_least is not None:
-            # a draft's slopes may undo the verification taken out of the
-            # steps the plane remembers, no more
-            old, e = self._least.get(b), self.SLOPE_EMA
-            first, nxt = self._least[b] = verify_least if old is None else (
-                (1 - e) * old[0] + e * verify_least[0], (1 - e) * old[1] + e * verify_least[1])
-            line.set_floors((0.0, -nxt, min(nxt - first, 0.0)))
         # one step moves the fit by at most a factor 2 of evidence (a step
         # that waited on a pause of the process must not drag it)
         x = plane_features(batch, b, tokens, drafting)

@@ -1,6 +1,6 @@
 """The plane :class:`~.cost_model.CostModel` fits, per batch bucket, to the
 steps without trees: exponentially weighted least squares, each slope held
-towards a prior and above a floor. Pure Python: three unknowns, one fit a step."""
+towards a prior and at 0 or more. Pure Python: three unknowns, one fit a step."""
 
 from __future__ import annotations
 
@@ -14,21 +14,17 @@ class Plane:
     steps hardly vary keeps its prior slope."""
 
     K = 3
-    __slots__ = ("w", "mx", "my", "cxx", "cxy", "prior", "strength", "floor")
+    __slots__ = ("w", "mx", "my", "cxx", "cxy", "prior", "strength")
 
     def __init__(self) -> None:
         # weighted sums of 1, x, y, x x^T and x y
         self.w = self.my = 0.0
         self.mx, self.cxy = [0.0] * self.K, [0.0] * self.K
         self.cxx = [[0.0] * self.K for _ in range(self.K)]
-        self.prior, self.strength, self.floor = [0.0] * self.K, [0.0] * self.K, [0.0] * self.K
+        self.prior, self.strength = [0.0] * self.K, [0.0] * self.K
 
     def set_slope_prior(self, slopes, strengths) -> None:
         self.prior, self.strength = list(slopes), list(strengths)
-
-    def set_floors(self, floors) -> None:
-        """The least each slope may be (0 unless set; never above 0)."""
-        self.floor = [min(float(f), 0.0) for f in floors]
 
     def add(self, x, y: float, weight: float = 1.0, keep: float = 1.0) -> None:
         """Book ``y`` at features ``x``, the sums so far scaled by ``keep``."""
@@ -42,8 +38,8 @@ class Plane:
                 row[j] = row[j] * keep + weight * xi * x[j]
 
     def fit(self) -> tuple[float, ...]:
-        """``(a, p, q, r)``; a slope that comes out below its floor is held
-        there and the others refitted."""
+        """``(a, p, q, r)``; a slope that comes out below 0 (more rows never
+        cost less) is held at 0 and the others refitted."""
         k, w = self.K, self.w
         mx = [v / w for v in self.mx]
         my = self.my / w
@@ -58,11 +54,10 @@ class Plane:
             slopes = [0.0] * k
             for i, v in (*held.items(), *zip(free, _solve(a, b))):
                 slopes[i] = v
-            low = [i for i in free if slopes[i] < self.floor[i]]
+            low = [i for i in free if slopes[i] < 0.0]
             if not low:
                 return (my - sum(s * m for s, m in zip(slopes, mx)), *slopes)
-            i = min(low, key=lambda i: slopes[i] - self.floor[i])
-            held[i] = self.floor[i]
+            held[min(low, key=lambda i: slopes[i])] = 0.0
 
 
 def plane_features(batch: int, bucket: int, tokens: float, drafting: int | None) -> tuple:
