@@ -118,16 +118,14 @@ VERIFY_TEMPERATURE, VERIFY_TOP_P = 0.8, 0.95
 
 
 def measure_verify(runner, batches) -> dict:
-    """:attr:`~vllm_lookahead.planner.cost_model.CostCurve.verify`: vLLM's
-    own samplers timed on synthetic peaked logits, per kind (sampled with
-    top-p, greedy, seeded) and batch ``b``: the plain sampler, and the
-    rejection sampler with one request drafting 1 and :data:`VERIFY_LONG`
-    tokens, every request drafting 1 token accepted, and (sampled) every one
-    rejected. ``first``: what each further drafting request adds, at most
-    what the one adds over the plain sampler; ``switch``: the rest of that;
-    ``bonus``: accepted over rejected per request (what a lazy verifier
-    skips; 0 for greedy and seeded, whose bonus rows are never skipped).
-    A failure is logged and measures nothing."""
+    """:attr:`~vllm_lookahead.planner.cost_model.CostCurve.verify`, per kind
+    and batch ``b``: vLLM's samplers on synthetic peaked logits, the plain one
+    against the rejection sampler with one request drafting 1 and
+    :data:`VERIFY_LONG` tokens, every request 1 token accepted and (sampled)
+    rejected. ``first``: what each further drafting request adds, at most what
+    the one adds; ``switch``: the rest of that; ``bonus``: accepted over
+    rejected per request (0 where bonus rows are never skipped: greedy,
+    seeded). A failure is logged and measures nothing."""
     try:
         return _measure_verify(runner, batches)
     except Exception as e:  # never stop the engine for a measurement
@@ -142,10 +140,11 @@ def _measure_verify(runner, batches) -> dict:
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    device, vocab, dtype = runner.device, runner.model_config.get_vocab_size(), \
-        runner.model_config.dtype
+    device, dtype, vocab = runner.device, runner.model_config.dtype, \
+        runner.model_config.get_vocab_size()
     sampler, verifier = runner.sampler, runner.rejection_sampler
     gen = torch.Generator(device="cpu").manual_seed(0)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def metadata(b: int, sampled: bool, seeded: bool):
         full = lambda v: torch.full((b,), v, device=device, dtype=torch.float32)  # noqa: E731
@@ -180,12 +179,10 @@ def _measure_verify(runner, batches) -> dict:
         took = []
         for _ in range(VERIFY_REPEATS + 1):
             y = x.clone()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync()
             t0 = time.perf_counter()
             call(y)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            sync()
             took.append(time.perf_counter() - t0)
         return statistics.median(took[1:])
 

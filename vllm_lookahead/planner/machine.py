@@ -20,12 +20,10 @@ def hardware_id() -> dict:
     except OSError:
         hw["cpu"] = platform.processor() or "unknown"
         return hw
-    for line in lines:
-        key, _, val = line.partition(":")
-        key = key.strip()
-        if key == "model name" and "cpu" not in hw:
+    for key, _, val in (line.partition(":") for line in lines):
+        if key.strip() == "model name" and "cpu" not in hw:
             hw["cpu"] = val.strip()
-        elif key == "flags" and "flags_sha1" not in hw:
+        elif key.strip() == "flags" and "flags_sha1" not in hw:
             flags = " ".join(sorted(val.split()))
             hw["flags_sha1"] = hashlib.sha1(flags.encode()).hexdigest()[:16]
     return hw
