@@ -1,11 +1,7 @@
-"""Cost curves on disk, so a restart reuses the one measured before.
-
-A curve (:class:`~.cost_model.CostCurve`) is cached under a key
-(:func:`cache_key`) of model, dtype, parallel sizes, hardware
-(:func:`~.machine.hardware_id`) and vLLM version, one JSON file per key
-(:class:`CostCache`); :func:`load_curve` reads such a file, or one written by
-hand. Pure Python (no torch, no vLLM).
-"""
+"""Cost curves on disk, so that a restart reuses the one measured before: one
+JSON file per key (:func:`cache_key`: model, dtype, parallel sizes, hardware,
+vLLM version). A file that does not parse or holds another key or format
+version is ignored with a warning; it never stops the engine."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ import logging
 import os
 from pathlib import Path
 
-from vllm_lookahead.planner.cost_model import CACHE_VERSION, MIN_POINTS, CostCurve
+from vllm_lookahead.planner.cost_model import CACHE_VERSION, CostCurve
 from vllm_lookahead.planner.machine import hardware_id
 
 logger = logging.getLogger("vllm.vllm_lookahead.planner.cost_cache")
@@ -23,52 +19,31 @@ logger = logging.getLogger("vllm.vllm_lookahead.planner.cost_cache")
 
 def cache_key(model: str, dtype: str, tensor_parallel: int, pipeline_parallel: int,
               vllm_version: str, device: str, extra: dict | None = None) -> dict:
-    """The key a cached curve is valid under."""
+    """The key a cached curve is valid under (``device``: "cpu" or a GPU's name)."""
     return {
-        "model": str(model),
-        "dtype": str(dtype),
-        "tensor_parallel": int(tensor_parallel),
-        "pipeline_parallel": int(pipeline_parallel),
-        "vllm": str(vllm_version),
+        "model": str(model), "dtype": str(dtype), "tensor_parallel": int(tensor_parallel),
+        "pipeline_parallel": int(pipeline_parallel), "vllm": str(vllm_version),
         "device": str(device),
         "hardware": hardware_id() if device == "cpu" else {"gpu": device},
         **(extra or {}),
     }
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("VLLM_LOOKAHEAD_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "vllm-lookahead")
-    return Path(base) / "cost"
-
-
 class CostCache:
-    """Cost curves on disk, one JSON file per key (named by its hash).
-
-    A file that does not parse, holds another key or another format version
-    is ignored with a warning: it never stops the engine.
-    """
+    """Curves in ``directory`` (default ``$VLLM_LOOKAHEAD_CACHE/cost``, else
+    ``~/.cache/vllm-lookahead/cost``), each file named by its key's hash."""
 
     def __init__(self, directory: str | os.PathLike | None = None) -> None:
-        self.dir = Path(directory) if directory is not None else default_cache_dir()
-
-    @staticmethod
-    def _digest(key: dict) -> str:
-        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+        base = os.environ.get("VLLM_LOOKAHEAD_CACHE") or os.path.join(
+            os.path.expanduser("~"), ".cache", "vllm-lookahead")
+        self.dir = Path(directory) if directory is not None else Path(base) / "cost"
 
     def path(self, key: dict) -> Path:
-        return self.dir / f"cost-{self._digest(key)}.json"
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+        return self.dir / f"cost-{digest}.json"
 
     def load(self, key: dict) -> CostCurve | None:
-        """The cached curve of ``key``; None (measure again) also for a
-        curve cut shorter than :data:`~.cost_model.MIN_POINTS` sizes at its
-        first batch (cached before measurements kept them)."""
-        curve = load_curve(self.path(key), key)
-        if curve is not None and len(curve.points[min(curve.points)]) < MIN_POINTS:
-            return None
-        if curve is not None and not curve.verify:
-            return None  # cached before the verification costs were measured
-        return curve
+        return load_curve(self.path(key), key)
 
     def save(self, key: dict, curve: CostCurve) -> Path | None:
         path = self.path(key)
@@ -86,15 +61,11 @@ class CostCache:
 
 
 def load_curve(path: str | os.PathLike, key: dict | None = None) -> CostCurve | None:
-    """A curve from a file written by :class:`CostCache` (or by hand:
-    ``{"version": 2, "curve": {"1": [[1, 0.05], [16, 0.07]]}}``, and
-    optionally ``"verify": {"sampled": {"1": [0.003, 0.0005]}}``, seconds,
-    a third figure per batch the bonus row a rejected draft saves,
-    :attr:`~.cost_model.CostCurve.verify`; version 1 files have no
-    ``verify``). With
-    ``key``, the file's key must equal it. None, with a warning, for a
-    missing key match, a corrupt file or one of another version; None
-    silently for a missing file."""
+    """The curve in a file written by :class:`CostCache` or by hand, e.g.
+    ``{"version": 2, "curve": {"1": [[1, 0.05], [16, 0.07]]}, "verify":
+    {"sampled": {"1": [0.003, 0.0005]}}}`` (seconds; ``verify`` optional, as
+    :attr:`CostCurve.verify`; version 1: none). With ``key``, the file's must
+    equal it. None for a missing file, and with a warning for a bad one."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())

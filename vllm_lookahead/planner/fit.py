@@ -1,71 +1,45 @@
-"""A cost model's fit of steps without trees: exponentially weighted
-least squares of a plane with slopes held to priors
-(:class:`~vllm_lookahead.planner.cost_model.CostModel` keeps one per batch bucket).
-
-Pure Python (no numpy): a few unknowns, fitted once per step.
-"""
+"""The plane :class:`~.cost_model.CostModel` fits, per batch bucket, to the
+steps without trees: exponentially weighted least squares, each slope held
+towards a prior and at 0 or more. Pure Python: three unknowns, one fit a step."""
 
 from __future__ import annotations
 
 
 class Plane:
-    """Exponentially weighted least squares of ``y = a + p*u + q*v + r*m``
-    (``u``: requests past the batch bucket's size, ``v``: the step's draft
-    tokens, all requests together, ``m``: requests with a draft), each
-    slope held towards a prior slope that is never forgotten
-    (:meth:`set_slope_prior`: ``strength`` in weight times squared units):
-    where the steps seen hardly vary in a feature (an engine that drafts
-    little), they set the plane's height and leave that slope at its prior.
+    """``y = a + p*u + q*v + r*m`` (:func:`plane_features`: ``u`` requests past
+    the bucket's size, ``v`` the step's draft tokens, ``m`` its drafting
+    requests), fitted together so that what more requests cost is not taken
+    for what their drafts cost. Each slope is held towards its prior with a
+    never-forgotten ``strength`` (:meth:`set_slope_prior`), so a feature the
+    steps hardly vary keeps its prior slope."""
 
-    Fitting them at once keeps them apart where they move together: fed
-    from a queue, a step of more requests carries fewer draft tokens each
-    (a fit in tokens per request alone took the extra requests' cost for
-    the drafts' saving and priced drafts at nothing); and the first draft
-    token of a request costs more than the next ones (on an AVX2 EPYC in
-    float32, 4 requests with 1 draft token each cost a third more than 1
-    request with 4).
-    """
-
-    K = 3  # slopes
-    __slots__ = ("w", "mx", "my", "cxx", "cxy", "prior", "strength", "floor")
+    K = 3
+    __slots__ = ("w", "mx", "my", "cxx", "cxy", "prior", "strength")
 
     def __init__(self) -> None:
-        # weighted sums: w; x (per feature); y; x x^T; x y
+        # weighted sums of 1, x, y, x x^T and x y
         self.w = self.my = 0.0
-        self.mx = [0.0] * self.K
+        self.mx, self.cxy = [0.0] * self.K, [0.0] * self.K
         self.cxx = [[0.0] * self.K for _ in range(self.K)]
-        self.cxy = [0.0] * self.K
-        self.prior = [0.0] * self.K
-        self.strength = [0.0] * self.K
-        #: the least each slope may be (:meth:`fit`)
-        self.floor = [0.0] * self.K
+        self.prior, self.strength = [0.0] * self.K, [0.0] * self.K
 
     def set_slope_prior(self, slopes, strengths) -> None:
         self.prior, self.strength = list(slopes), list(strengths)
 
-    def set_floors(self, floors) -> None:
-        """The least each slope may be (0 unless set: more rows never cost
-        less; below 0 where the step times booked have a cost taken out
-        that may be overstated, see
-        :class:`~vllm_lookahead.planner.cost_model.CostModel`)."""
-        self.floor = [min(float(f), 0.0) for f in floors]
-
     def add(self, x, y: float, weight: float = 1.0, keep: float = 1.0) -> None:
-        k = self.K
+        """Book ``y`` at features ``x``, the sums so far scaled by ``keep``."""
         self.w = self.w * keep + weight
         self.my = self.my * keep + weight * y
-        for i in range(k):
-            xi = x[i]
+        for i, xi in enumerate(x):
             self.mx[i] = self.mx[i] * keep + weight * xi
             self.cxy[i] = self.cxy[i] * keep + weight * xi * y
             row = self.cxx[i]
-            for j in range(k):
+            for j in range(self.K):
                 row[j] = row[j] * keep + weight * xi * x[j]
 
     def fit(self) -> tuple[float, ...]:
-        """``(a, p, q, r)``; no slope below its floor (0 unless
-        :meth:`set_floors`: more rows never cost less): a slope that comes
-        out below is held at its floor and the rest refitted."""
+        """``(a, p, q, r)``; a slope that comes out below 0 (more rows never
+        cost less) is held at 0 and the others refitted."""
         k, w = self.K, self.w
         mx = [v / w for v in self.mx]
         my = self.my / w
@@ -77,24 +51,19 @@ class Plane:
             a = [[cov[i][j] + (self.strength[i] if i == j else 0.0) for j in free] for i in free]
             b = [cy[i] - sum(cov[i][j] * f for j, f in held.items())
                  + self.strength[i] * self.prior[i] for i in free]
-            sol = _solve(a, b) if free else []
             slopes = [0.0] * k
-            for i, f in held.items():
-                slopes[i] = f
-            for i, v in zip(free, sol):
+            for i, v in (*held.items(), *zip(free, _solve(a, b))):
                 slopes[i] = v
-            low = [i for i in free if slopes[i] < self.floor[i]]
+            low = [i for i in free if slopes[i] < 0.0]
             if not low:
-                break
-            i = min(low, key=lambda i: slopes[i] - self.floor[i])
-            held[i] = self.floor[i]
-        return (my - sum(s * m for s, m in zip(slopes, mx)), *slopes)
+                return (my - sum(s * m for s, m in zip(slopes, mx)), *slopes)
+            held[min(low, key=lambda i: slopes[i])] = 0.0
 
 
 def plane_features(batch: int, bucket: int, tokens: float, drafting: int | None) -> tuple:
-    """:class:`Plane`'s ``(u, v, m)`` of a step of ``batch`` requests in
-    batch bucket ``bucket`` (the rest as
-    :meth:`~vllm_lookahead.planner.cost_model.CostModel.predict` takes them)."""
+    """``(u, v, m)`` of a step of ``batch`` requests in ``bucket`` with
+    ``tokens`` query tokens each on average, ``drafting`` of them drafting
+    (None: all if ``tokens`` > 1)."""
     batch = max(int(batch), 1)
     draft = batch * (max(tokens, 1.0) - 1)
     if drafting is None:
@@ -103,15 +72,14 @@ def plane_features(batch: int, bucket: int, tokens: float, drafting: int | None)
 
 
 def plane_seconds(coeffs, x) -> float:
-    """A fitted plane's seconds (``coeffs``: :meth:`Plane.fit`'s ``(a, p,
-    q, r)``) at features ``x`` (:func:`plane_features`), at least 1 us."""
+    """The plane ``coeffs = (a, p, q, r)`` at features ``x``, at least 1 us."""
     a, *slopes = coeffs
     return max(a + sum(s * v for s, v in zip(slopes, x)), 1e-6)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """``a x = b`` by Gaussian elimination with partial pivoting (a few
-    unknowns); 0 for an unknown the equations leave free."""
+    """``a x = b`` by Gaussian elimination with partial pivoting; 0 for an
+    unknown the equations leave free."""
     n = len(b)
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
     for c in range(n):
