@@ -49,7 +49,7 @@ if str(REPO) not in sys.path:  # run from a checkout, the package not installed
 
 from vllm_lookahead.attn_mask import build_tree  # noqa: E402
 from vllm_lookahead.config import LookaheadConfig  # noqa: E402
-from vllm_lookahead.branch.kv_layout import gather_sequence, probe_page_layout  # noqa: E402
+from vllm_lookahead.branch.kv_layout import gather_pages, probe_page_layout  # noqa: E402
 from vllm_lookahead.planner.machine import hardware_id  # noqa: E402
 from vllm_lookahead.branch.tree_attention import tree_attention  # noqa: E402
 
@@ -121,6 +121,18 @@ class FlashWriter:
         b, t = slots // cache.shape[2], slots % cache.shape[2]
         kc[b, t] = k.to(cache.device, cache.dtype)
         vc[b, t] = v.to(cache.device, cache.dtype)
+
+
+def gather_sequence(cache: torch.Tensor, block_ids, length: int, layout):
+    """Dense K and V ``[H, length, D]`` of one sequence in ``block_ids``
+    (``kv_layout.gather_pages`` over its blocks)."""
+    bs, kvh, hd = layout.block_size, layout.num_kv_heads, layout.head_size
+    nb = max(-(-length // bs), 1)
+    ids = torch.as_tensor(block_ids[:nb], dtype=torch.int64, device=cache.device).view(1, nb)
+    k = torch.empty(1, kvh, nb * bs, hd, dtype=cache.dtype, device=cache.device)
+    v = torch.empty_like(k)
+    gather_pages(cache, ids, layout, k, v)
+    return k[0, :, :length], v[0, :, :length]
 
 
 def slots(block_ids, length: int, bs: int) -> torch.Tensor:

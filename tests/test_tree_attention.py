@@ -1,7 +1,7 @@
 """Tree attention over vLLM's paged KV cache (vllm_lookahead.branch.kv_layout,
 vllm_lookahead.branch.tree_attention).
 
-(a) ``probe_page_layout`` + ``gather_sequence`` read back exactly what vLLM's
+(a) ``probe_page_layout`` + ``gather_pages`` read back exactly what vLLM's
     own CPU cache writer stored (and what deliberately odd fake writers
     stored). The GPU backends' layouts are in tests/test_kv_layouts.py.
 (b) ``tree_attention`` over a paged cache equals a dense reference that
@@ -19,11 +19,11 @@ import torch
 
 from vllm_lookahead.attn_mask import build_tree
 from vllm_lookahead.branch.kv_layout import UnsupportedLayout, probe_page_layout
-from vllm_lookahead.branch.kv_layout import gather_sequence as _gather_sequence
 from vllm_lookahead.branch.tree_attention import tree_attention
 
 # shared with the check of the GPU layouts (benchmarks/gpu_tree_check.py,
 # on the path through conftest.py)
+from gpu_tree_check import gather_sequence as _gather_sequence  # noqa: E402
 from gpu_tree_check import slots as _slots  # noqa: E402
 from gpu_tree_check import tree_meta  # noqa: E402,F401  (tests/test_kv_layouts.py)
 
