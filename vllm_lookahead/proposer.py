@@ -1,10 +1,9 @@
 """The lookahead proposer vLLM instantiates for ``method="lookahead"``.
 
 It maps vLLM's runner and scheduler output onto the engine-agnostic drafting
-(:mod:`.planner.step`, :mod:`.algo.drafting`) and back: the hooks
-:mod:`.patches` calls (warm-up, request lifecycle, the fused forward, the drafts
-of a step, the stats), the per-request settings read from vLLM's requests, and
-the step timing that corrects the planner's cost model.
+(:mod:`.planner.step`, :mod:`.algo.drafting`) and back: the hooks :mod:`.patches`
+calls, the per-request settings read from vLLM's requests, and the step timing
+that corrects the planner's cost model.
 """
 
 from __future__ import annotations
@@ -20,14 +19,8 @@ from vllm_lookahead.algo.drafting import Live, account, harvest, new_state
 from vllm_lookahead.algo.memory import SCOPE_KEY, SharedMemory
 from vllm_lookahead.algo.state import SAMPLES_KEY, RequestState, sibling_group
 from vllm_lookahead.algo.trees import PlannedTree
-from vllm_lookahead.config import (
-    ADDITIONAL_CONFIG_KEY,
-    WAITING_ATTR,
-    LookaheadConfig,
-    LookaheadConfigError,
-    RequestSettings,
-    request_settings,
-)
+from vllm_lookahead.config import (ADDITIONAL_CONFIG_KEY, WAITING_ATTR, LookaheadConfig,
+                                   LookaheadConfigError, RequestSettings, request_settings)
 from vllm_lookahead.planner.acceptance import AcceptancePrior
 from vllm_lookahead.planner.planner import Planner
 from vllm_lookahead.planner.step import StepDrafter
@@ -40,13 +33,12 @@ class LookaheadProposer:
     """Lookahead decoding drafter (one per worker, on the last PP rank)."""
 
     def __init__(self, vllm_config) -> None:
-        self.cfg = LookaheadConfig.from_dict(
+        self.cfg = cfg = LookaheadConfig.from_dict(
             (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}))
-        self.fused = self.cfg.mode == "fused"
-        if self.fused:
-            note = graphs_note(getattr(vllm_config.compilation_config, "cudagraph_mode", None))
-            if note:
-                logger.info("Lookahead: %s", note)
+        self.fused = cfg.mode == "fused"
+        note = graphs_note(getattr(vllm_config.compilation_config, "cudagraph_mode", None))
+        if self.fused and note:
+            logger.info("Lookahead: %s", note)
         #: max tokens of one forward (vLLM's compiled shapes end there)
         self.max_step_tokens = getattr(vllm_config.scheduler_config,
                                        "max_num_batched_tokens", None)
@@ -54,48 +46,42 @@ class LookaheadProposer:
         self.max_model_len = vllm_config.model_config.max_model_len
         self.states: dict[str, RequestState] = {}
         self.stats = LookaheadStats()
-        self.prior = AcceptancePrior(max_cands=self.cfg.guess_set_size)
-        self.step = StepDrafter(self.cfg, self.fused, self.max_model_len, self.stats, self.prior)
+        self.prior = AcceptancePrior(max_cands=cfg.guess_set_size)
+        self.step = StepDrafter(cfg, self.fused, self.max_model_len, self.stats, self.prior)
         self.disable_batch_size = self.step.disable_batch_size
-        self.memory = (SharedMemory(self.cfg.memory_tokens, delay=self.cfg.ngram_size)
-                       if self.cfg.shared_memory else None)
-        self.step.memory = self.memory
+        self.memory = self.step.memory = (
+            SharedMemory(cfg.memory_tokens, delay=cfg.ngram_size) if cfg.shared_memory else None)
         self.worker = None  # LookaheadWorker, made at warm-up
-        #: why the trees cannot run here (None: they can)
-        self.trees_unsupported: str | None = None
-        # this step, from on_update_states: req id -> tokens scheduled, vLLM's
-        # draft length for the batch size, no new or resumed request, the
-        # requests waiting for a slot (patch 16; None: not reported)
+        self.trees_unsupported: str | None = None  # why the trees cannot run here
+        # this step (on_update_states): tokens scheduled per request, vLLM's
+        # draft length for the batch size, no new or resumed request, requests
+        # waiting for a slot (patch 16; None: not reported)
         self._scheduled: dict[str, int] = {}
         self._spec_k: int | None = None
         self._clean = False
         self._waiting = None
-        #: fused: req id -> (PlannedTree, its index in the worker's fused_preds)
+        #: fused: req id -> (its tree, its index in the worker's fused_preds)
         self._fused_out: dict[str, tuple[PlannedTree, int]] = {}
-        tp = vllm_config.parallel_config.tensor_parallel_size
         #: rank 0's value on every tensor-parallel rank (None: one rank)
+        tp = vllm_config.parallel_config.tensor_parallel_size
         self._agree = _rank0_choice if tp > 1 else None
         self._timer = StepTimer(self._agree)
-        how = "planned per step" if self.cfg.adaptive else "fixed tree"
+        how = "planned per step" if cfg.adaptive else "fixed tree"
         if self.disable_batch_size:
             how += f", off from {self.disable_batch_size} decoding requests"
-        logger.info("Lookahead decoding: %s, draft length %d, %s",
-                    self.cfg, self.num_spec_tokens, how)
+        logger.info("Lookahead decoding: %s, draft length %d, %s", cfg, self.num_spec_tokens, how)
 
     @property
     def planner(self) -> Planner | None:
         return self.step.planner
 
-    # -- vLLM's proposer interface ----------------------------------------
     def load_model(self, model) -> None:
         """Nothing to load: lookahead drafts with the target model itself."""
 
     def propose(self, *args, **kwargs) -> list[list[int]]:
-        raise RuntimeError(
-            "LookaheadProposer.propose() is called through vllm_lookahead.patches "
-            "(is the vllm_lookahead plugin loaded? check `VLLM_PLUGINS`)")
+        raise RuntimeError("LookaheadProposer.propose() is called through vllm_lookahead."
+                           "patches (is the plugin loaded? check `VLLM_PLUGINS`)")
 
-    # -- hooks called by vllm_lookahead.patches ---------------------------
     def warm_up(self, runner) -> None:
         """Once the KV cache exists: wrap the attention layers and set up the
         planner's cost model (``cost_model``)."""
@@ -105,18 +91,16 @@ class LookaheadProposer:
             try:
                 self.worker = LookaheadWorker(runner)
             except TreesUnsupported as e:  # no crash: prompt-lookup drafts still pay
-                logger.warning(
-                    "Lookahead: the lookahead branch cannot run on this engine: %s. "
-                    "Drafting from prompt lookup only (no Jacobi window, no trees)%s.",
-                    e, ", planned per step" if self.cfg.adaptive else "")
+                logger.warning("Lookahead: the lookahead branch cannot run on this engine: %s. "
+                               "Drafting from prompt lookup only (no Jacobi window, no trees)%s.",
+                               e, ", planned per step" if self.cfg.adaptive else "")
                 self.step.trees = False
                 self.trees_unsupported = str(e)
         if self.cfg.adaptive and self.planner is None:
             import vllm_lookahead.cpu.sampling as cpu_sampling
             from vllm_lookahead.branch.warmup import build_cost_model
 
-            # Without trees nothing can time them: an assumed curve, corrected
-            # from the engine's steps.
+            # without trees nothing can time them: an assumed curve, corrected
             setting = self.cfg.cost_model if self.worker is not None else "off"
             cost = build_cost_model(setting, runner, self.worker, self._agree)
             cost.learn_plain = self.cfg.learn_step_cost
@@ -132,27 +116,24 @@ class LookaheadProposer:
             self._forget(req_id)
         self._scheduled = scheduler_output.num_scheduled_tokens
         self._clean = not scheduler_output.scheduled_new_reqs and not resumed
-        # num_speculative_tokens_per_batch_size
         self._spec_k = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
         self._waiting = getattr(scheduler_output, WAITING_ATTR, None)
 
     def model_forward(self, runner, forward, input_ids, positions, **kwargs):
-        """The runner's model call (fused mode): the planned trees of the
-        requests scheduled as planned ride along."""
+        """The runner's model call: in fused mode the planned trees of the
+        requests scheduled as planned ride along, within vLLM's token budget."""
         self._fused_out = {}
         if not self.fused or self.worker is None or kwargs.get("inputs_embeds") is not None:
             return forward(input_ids=input_ids, positions=positions, **kwargs)
         index = runner.input_batch.req_id_to_index
         computed = runner.input_batch.num_computed_tokens_cpu
-        # never past vLLM's token budget (its compiled shapes end there)
         room = int(self.max_step_tokens) - int(input_ids.shape[0]) if self.max_step_tokens else None
         rows, req_ids = [], []
         for req_id, state in self.states.items():
             plan, state.plan = state.plan, None
             if plan is None:
                 continue
-            i = index.get(req_id)
-            n = self._scheduled.get(req_id)
+            i, n = index.get(req_id), self._scheduled.get(req_id)
             # vLLM must feed exactly the planned draft, the root right after
             # it (a catch-up tree: rooted at the first token vLLM feeds)
             if plan.catch_up:
@@ -163,8 +144,7 @@ class LookaheadProposer:
             if not ok or (room is not None and len(plan.tokens) > room):
                 self.stats.trees_dropped += 1
                 continue
-            if room is not None:
-                room -= len(plan.tokens)
+            room = room - len(plan.tokens) if room is not None else None
             rows.append((i, plan))
             req_ids.append(req_id)
         if not rows:
@@ -174,12 +154,10 @@ class LookaheadProposer:
         self.stats.lookahead_query_tokens += sum(len(t.tokens) for t in trees)
         self.stats.fused_trees += len(trees)
         self.stats.fused_steps += 1
-        self._fused_out = {req_id: (plan, r) for r, (req_id, (_, plan))
-                           in enumerate(zip(req_ids, rows))}
+        self._fused_out = {q: (plan, r) for r, (q, (_, plan)) in enumerate(zip(req_ids, rows))}
         return hidden
 
-    # patch 12: the tree rows' logits in vLLM's own logits call
-    def take_extra_rows(self):
+    def take_extra_rows(self):  # patch 12: the tree rows in vLLM's logits call
         return self.worker.take_extra_rows() if self.worker is not None else None
 
     def put_extra_logits(self, logits) -> None:
@@ -189,25 +167,24 @@ class LookaheadProposer:
     def propose_for_runner(self, runner, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Drafts for every row of the runner's batch."""
         t0 = time.perf_counter()
-        if (self.worker is None and self.step.trees) or (self.cfg.adaptive and self.planner is None):
+        if (self.worker is None and self.step.trees) or (self.cfg.adaptive
+                                                         and self.planner is None):
             self.warm_up(runner)
         batch = runner.input_batch
-        num_tokens, token_ids = batch.num_tokens_no_spec, batch.token_ids_cpu
+        token_ids = batch.token_ids_cpu
         fused_out, self._fused_out = self._fused_out, {}
         spec_k = self.num_spec_tokens
         if self._spec_k is not None:
             spec_k = min(spec_k, int(self._spec_k))
         live: list[Live] = []
-        num_decoding = 0
-        clean = self._clean
-        joined = False
+        num_decoding, clean, joined = 0, self._clean, False
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:
                 clean = False  # still prefilling
                 continue
             num_decoding += 1
             req_id = batch.req_ids[i]
-            n_tok = int(num_tokens[i])
+            n_tok = int(batch.num_tokens_no_spec[i])
             state = self.states.get(req_id)
             if state is None:
                 state = self._new_state(runner, req_id, token_ids[i], n_tok)
@@ -219,11 +196,9 @@ class LookaheadProposer:
             state.plan = None
             if not state.settings.enabled:
                 continue
-            chain = []
             out = fused_out.get(req_id)
-            if out is not None:
-                chain = harvest(state, out[0], self.worker.fused_preds()[out[1]], sampled,
-                                self.memory)
+            chain = [] if out is None else harvest(
+                state, out[0], self.worker.fused_preds()[out[1]], sampled, self.memory)
             live.append(Live(i, state, n_tok, min(spec_k, self.max_model_len - n_tok - 1), chain))
         self._timer.book(self.planner, t0, clean, len(live))
         # the batch as a whole: nothing waits and every row decodes with lookahead
@@ -242,8 +217,7 @@ class LookaheadProposer:
         self.stats.pool_ngrams = sum(len(s.pool) for s in self.states.values())
         planner, mem = self.planner, self.memory
         return {
-            **self.stats.to_dict(),
-            "config": self.cfg.to_dict(),
+            **self.stats.to_dict(), "config": self.cfg.to_dict(),
             "mode": "fused" if self.fused else "separate",
             "trees_unsupported": self.trees_unsupported,
             "kv_page_layouts": getattr(self.worker, "layouts", None),
@@ -254,19 +228,17 @@ class LookaheadProposer:
             "shared_memory": None if mem is None else {
                 "documents": len(mem), "tokens": mem.tokens, "capacity_tokens": mem.capacity,
                 "bytes": mem.nbytes(), "evicted_documents": mem.evicted,
-                "harvested_ngrams": mem.harvested},
-        }
+                "harvested_ngrams": mem.harvested}}
 
     def clear_memory(self) -> bool:
         """Forget the shared memory (vLLM's ``reset_prefix_cache``, patch 13)."""
-        if self.memory is None:
-            return False
-        self.memory.clear()
-        return True
+        if self.memory is not None:
+            self.memory.clear()
+        return self.memory is not None
 
     def _new_state(self, runner, req_id: str, tokens: np.ndarray, n_tok: int) -> RequestState:
-        """A request's state from vLLM's request (prompt length, sampling
-        parameters, its lookahead settings)."""
+        """A request's state from vLLM's request: prompt length, sampling
+        parameters and its lookahead settings."""
         req = runner.requests.get(req_id)
         n_prompt = req.num_prompt_tokens if req is not None else n_tok
         params = getattr(req, "sampling_params", None)
@@ -276,20 +248,20 @@ class LookaheadProposer:
         except LookaheadConfigError as e:  # validated by the frontend; be safe
             logger.warning("Lookahead: request %s: %s; lookahead off for it", req_id, e)
             settings = RequestSettings(enabled=False)
-        sampled = _sampling(params)
-        # a seeded request gets the same tokens every run: nothing that
+        sampled = params is not None and float(getattr(params, "temperature", 0.0) or 0.0) >= 1e-5
+        # a seeded request samples the same tokens every run: nothing that
         # decides its drafts may depend on timing or on other requests
         seeded = sampled and getattr(params, "seed", None) is not None
         state = new_state(settings, tokens, n_tok, n_prompt, getattr(params, "max_tokens", None),
                           seeded, self.cfg.seed, self.prior)
         state.group = sibling_group(req_id)
+        state.sampled = sampled
+        state.lazy_bonus = lazy_bonus.request_applies(params)
         if seeded:
             state.seeded_batch = seeded_batch(params, self.cfg.seeded_batch,
                                               runner.vllm_config.scheduler_config.max_num_seqs)
             key = str(state.seeded_batch)
             self.stats.seeded_by_batch[key] = self.stats.seeded_by_batch.get(key, 0) + 1
-        state.sampled = sampled
-        state.lazy_bonus = lazy_bonus.request_applies(params)
         if self.memory is not None and settings.enabled and settings.shared_memory:
             state.memory_scope = int((extra or {}).get(SCOPE_KEY, 0) or 0)
             state.memory_upto = min(n_prompt, n_tok)
@@ -304,7 +276,7 @@ class LookaheadProposer:
             self.memory.close(state.memory_doc)
 
     def _run_trees(self, rows: list[tuple[int, PlannedTree]]) -> list[np.ndarray]:
-        """Separate mode: per ``(batch row, tree)``, int64 ``[T]`` argmax."""
+        """Separate mode: per ``(batch row, tree)``, the int64 ``[T]`` argmax."""
         return self.worker.run(_tree_requests(rows))
 
 
@@ -313,28 +285,24 @@ class StepTimer:
     from the end of one proposer call (its drafts planned) to the start of
     the next."""
 
-    #: Steps between two agreements of the cost correction (TP ranks).
-    AGREE_EVERY = 32
+    AGREE_EVERY = 32  # steps between two agreements of the TP ranks' corrections
 
     def __init__(self, agree) -> None:
         self.agree = agree  # rank 0's value on every TP rank (None: one rank)
-        #: the last planned step (:meth:`StepDrafter.run`'s ``planned``: decoding
-        #: requests, query tokens per request, whether it had trees, drafting
-        #: requests, verification seconds counted, least verification or None)
-        #: and the end of its proposer call
+        #: the last planned step (``StepDrafter.run``'s ``planned``: decoding
+        #: requests, query tokens per request, trees or not, drafting requests,
+        #: verification counted, least verification or None), then its end
         self.last: tuple | None = None
         self.calls = 0
 
     def book(self, planner: Planner | None, now: float, clean: bool, num_live: int) -> None:
         """Book the step that just ran, if it ran as planned (as many
-        requests, no prefill), less the verification its plan counted."""
+        requests, no prefill), less the verification its plan counted (at
+        most half the step: the planes learn what a wrong estimate leaves)."""
         if planner is None:
             return
-        cost = planner.cost
-        last = self.last
+        cost, last = planner.cost, self.last
         if last is not None and clean and last[0] == num_live:
-            # never below half the step: the planes learn what a wrong
-            # verification estimate leaves
             took = now - last[6]
             cost.observe(last[0], last[1], max(took - last[4], took / 2), tree=last[2],
                          drafting=last[3], verify_least=last[5])
@@ -353,13 +321,11 @@ def graphs_note(cudagraph_mode) -> str | None:
     name = str(getattr(cudagraph_mode, "name", cudagraph_mode))
     if cudagraph_mode is None or name == "NONE":
         return None
-    return (f"cudagraph_mode={name}: steps that carry lookahead trees run without "
-            "CUDA graph replay (compiled, eager attention); steps without trees replay "
-            "vLLM's graphs")
+    return (f"cudagraph_mode={name}: steps that carry lookahead trees run without CUDA graph "
+            "replay (compiled, eager attention); steps without trees replay vLLM's graphs")
 
 
 def _tree_requests(rows: list[tuple[int, PlannedTree]]) -> list:
-    """The worker's ``TreeRequest`` of each ``(batch row, tree)``."""
     from vllm_lookahead.worker import TreeRequest
 
     return [TreeRequest(tokens=tree.tokens, positions=tree.positions, mask=tree.layout.mask,
@@ -374,18 +340,12 @@ def _rank0_choice(obj):
     return get_tp_group().broadcast_object(obj, src=0)
 
 
-def _sampling(params) -> bool:
-    """A sampled request (temperature > 0, as vLLM tells greedy apart)."""
-    return params is not None and float(getattr(params, "temperature", 0.0) or 0.0) >= 1e-5
-
-
 def seeded_batch(params, least: int, max_num_seqs: int) -> int:
     """The batch a seeded request's draft is priced in, fixed at its start:
     its parent's n (``SAMPLES_KEY``, from the frontend) or ``least``, whichever
     is larger, at most ``max_num_seqs``."""
-    extra = getattr(params, "extra_args", None) or {}
     try:
-        n = int(extra.get(SAMPLES_KEY, 1) or 1)
+        n = int((getattr(params, "extra_args", None) or {}).get(SAMPLES_KEY, 1) or 1)
     except (TypeError, ValueError):
         n = 1
     return max(1, min(max(n, int(least or 0)), int(max_num_seqs or 1)))

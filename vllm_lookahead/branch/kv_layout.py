@@ -45,14 +45,9 @@ class PageLayout:
     k_view: View | None
     v_view: View | None
 
-    @property
-    def k_affine(self) -> tuple[int, int, int] | None:
-        """``(start, t_stride, d_stride)`` where K is untiled, else None."""
-        return _untiled(self.k_view)
-
-    @property
-    def v_affine(self) -> tuple[int, int, int] | None:
-        return _untiled(self.v_view)
+    #: ``(start, t_stride, d_stride)`` where K (V) is untiled, else None
+    k_affine = property(lambda self: _untiled(self.k_view))
+    v_affine = property(lambda self: _untiled(self.v_view))
 
     @property
     def name(self) -> str:
@@ -170,19 +165,15 @@ def gather_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor, layout: PageLa
     ``block_ids`` int64 ``[R, nb]`` on the cache's device (pad with any
     valid block)."""
     r_n, nb = block_ids.shape
-    bs, hd, c, kvh = layout.block_size, layout.head_size, layout.content, layout.num_kv_heads
+    bs, hd, kvh = layout.block_size, layout.head_size, layout.num_kv_heads
     pages = _block_pages(kv_cache, block_ids.view(-1))
     for off, view, out in ((layout.k_off, layout.k_view, out_k),
                            (layout.v_off, layout.v_view, out_v)):
-        cell = None if view is None else _cell_view(pages, view, c)
-        if cell is not None:
-            start, sizes, strides = cell
-            p0 = pages.stride(0)
-            src = pages.as_strided((r_n, nb, kvh, *sizes), (nb * p0, p0, pages.stride(1), *strides),
-                                   pages.storage_offset() + start)
-            out.view(r_n, kvh, nb, *sizes).copy_(src.permute(0, 2, 1, 3, 4, 5, 6))
+        src = _strided(pages, view, layout, r_n, nb)
+        if src is not None:  # [R, H, nb, *sizes]
+            out.view(src.shape).copy_(src)
         else:
-            src = pages.reshape(r_n * nb, kvh, bs * c).index_select(2, off)
+            src = pages.reshape(r_n * nb, kvh, bs * layout.content).index_select(2, off)
             out.view(r_n, kvh, nb, bs, hd).copy_(src.view(r_n, nb, kvh, bs, hd).transpose(1, 2))
 
 
@@ -195,19 +186,28 @@ def gather_token_major(kv_cache: torch.Tensor, block_ids: torch.Tensor,
     """
     r_n, nb = block_ids.shape
     pages = _block_pages(kv_cache, block_ids.view(-1))
-    p0 = pages.stride(0)
     out = []
     for view in (layout.k_view, layout.v_view):
-        cell = None if view is None else _cell_view(pages, view, layout.content)
-        if cell is None:
-            return None
-        start, sizes, strides = cell
-        if sizes[1] != 1 or sizes[3] != 1 or strides[0] * layout.block_size != p0:
+        src = _strided(pages, view, layout, r_n, nb)  # [R, H, nb, N / a, a, D / b, b]
+        if src is None or src.shape[4] != 1 or src.shape[6] != 1 or (
+                src.stride(3) * layout.block_size != src.stride(2)):
             return None  # tiled, or the token stride changes at a block's edge
-        out.append(pages.as_strided(
-            (r_n, layout.num_kv_heads, nb * layout.block_size, layout.head_size),
-            (nb * p0, pages.stride(1), strides[0], strides[2]), pages.storage_offset() + start))
+        out.append(src.view(r_n, layout.num_kv_heads, nb * layout.block_size, layout.head_size))
     return out[0], out[1]
+
+
+def _strided(pages: torch.Tensor, view: View | None, layout: PageLayout, r_n: int,
+             nb: int) -> torch.Tensor | None:
+    """K or V of ``pages`` (``[R * nb, H, N, C]``, any strides) as a strided
+    ``[R, H, nb, *sizes]`` view over ``view``'s tile digits, or None."""
+    cell = None if view is None else _cell_view(pages, view, layout.content)
+    if cell is None:
+        return None
+    start, sizes, strides = cell
+    p0 = pages.stride(0)
+    return pages.as_strided((r_n, layout.num_kv_heads, nb, *sizes),
+                            (nb * p0, pages.stride(1), p0, *strides),
+                            pages.storage_offset() + start)
 
 
 def _block_pages(kv_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
