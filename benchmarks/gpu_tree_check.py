@@ -49,9 +49,8 @@ if str(REPO) not in sys.path:  # run from a checkout, the package not installed
 
 from vllm_lookahead.attn_mask import build_tree  # noqa: E402
 from vllm_lookahead.config import LookaheadConfig  # noqa: E402
-from vllm_lookahead.branch.kv_layout import gather_sequence, probe_page_layout  # noqa: E402
+from vllm_lookahead.branch.kv_layout import gather_pages, probe_page_layout  # noqa: E402
 from vllm_lookahead.planner.machine import hardware_id  # noqa: E402
-from vllm_lookahead.branch.tree_attention import tree_attention  # noqa: E402
 
 #: vLLM 0.32's ``KVCacheLayout`` (vllm/v1/kv_cache_layout.py): the physical
 #: order, outermost first, of the logical ``[L, B, H, N, C]`` axes.
@@ -121,6 +120,50 @@ class FlashWriter:
         b, t = slots // cache.shape[2], slots % cache.shape[2]
         kc[b, t] = k.to(cache.device, cache.dtype)
         vc[b, t] = v.to(cache.device, cache.dtype)
+
+
+def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   ctx_key: torch.Tensor, ctx_value: torch.Tensor, tree_mask: torch.Tensor,
+                   positions: torch.Tensor, scale: float, sliding_window: int = -1,
+                   softcap: float = 0.0) -> torch.Tensor:
+    """The plain one-request reference of the tree attention: ``query``
+    ``[T, H, D]`` and the tree's ``key``, ``value`` ``[T, KVH, D]`` over the
+    cached ``ctx_key``, ``ctx_value`` ``[KVH, L, D]`` (positions 0..L-1) and
+    the tree (``tree_mask`` bool ``[T, T]``, ``positions`` ``[T]``);
+    ``sliding_window`` > 0: each query sees that many last positions, itself
+    included. ``[T, H, D]`` in the query's dtype."""
+    t, h, _ = query.shape
+    kvh, length, _ = ctx_key.shape
+    dev = query.device
+    allowed = torch.cat([torch.ones(t, length, dtype=torch.bool, device=dev),
+                         tree_mask.to(dev)], dim=1)
+    if sliding_window is not None and sliding_window > 0:
+        pos = positions.to(dev)
+        key_pos = torch.cat([torch.arange(length, device=dev), pos])
+        allowed &= key_pos[None, :] > pos[:, None] - sliding_window
+    k = torch.cat([ctx_key, key.transpose(0, 1).to(ctx_key.dtype)], dim=1).float()
+    v = torch.cat([ctx_value, value.transpose(0, 1).to(ctx_value.dtype)], dim=1).float()
+    if h != kvh:
+        k = k.repeat_interleave(h // kvh, dim=0)
+        v = v.repeat_interleave(h // kvh, dim=0)
+    scores = torch.matmul(query.transpose(0, 1).float(), k.transpose(1, 2)) * scale
+    if softcap and softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [H, T, D]
+    return out.transpose(0, 1).to(query.dtype)
+
+
+def gather_sequence(cache: torch.Tensor, block_ids, length: int, layout):
+    """Dense K and V ``[H, length, D]`` of one sequence in ``block_ids``
+    (``kv_layout.gather_pages`` over its blocks)."""
+    bs, kvh, hd = layout.block_size, layout.num_kv_heads, layout.head_size
+    nb = max(-(-length // bs), 1)
+    ids = torch.as_tensor(block_ids[:nb], dtype=torch.int64, device=cache.device).view(1, nb)
+    k = torch.empty(1, kvh, nb * bs, hd, dtype=cache.dtype, device=cache.device)
+    v = torch.empty_like(k)
+    gather_pages(cache, ids, layout, k, v)
+    return k[0, :, :length], v[0, :, :length]
 
 
 def slots(block_ids, length: int, bs: int) -> torch.Tensor:

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import gpu_tree_check  # benchmarks/, on the path through conftest.py
+from gpu_tree_check import gather_sequence, tree_attention
 from test_tree_attention import _slots, tree_meta
-from vllm_lookahead.branch.kv_layout import gather_sequence, probe_page_layout, scratch_like
-from vllm_lookahead.branch.tree_attention import tree_attention
+from vllm_lookahead.branch.kv_layout import probe_page_layout, scratch_like
 
 kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402

@@ -1,10 +1,11 @@
 """Tree attention over vLLM's paged KV cache (vllm_lookahead.branch.kv_layout,
 vllm_lookahead.branch.tree_attention).
 
-(a) ``probe_page_layout`` + ``gather_sequence`` read back exactly what vLLM's
+(a) ``probe_page_layout`` + ``gather_pages`` read back exactly what vLLM's
     own CPU cache writer stored (and what deliberately odd fake writers
     stored). The GPU backends' layouts are in tests/test_kv_layouts.py.
-(b) ``tree_attention`` over a paged cache equals a dense reference that
+(b) the reference ``tree_attention`` (benchmarks/gpu_tree_check.py) over a
+    paged cache equals a dense reference that
     explicitly recomputes, for every tree node, the causal sequence
     prefix + (the node's ancestor chain, root first, ending at the node).
 """
@@ -19,12 +20,12 @@ import torch
 
 from vllm_lookahead.attn_mask import build_tree
 from vllm_lookahead.branch.kv_layout import UnsupportedLayout, probe_page_layout
-from vllm_lookahead.branch.kv_layout import gather_sequence as _gather_sequence
-from vllm_lookahead.branch.tree_attention import tree_attention
 
 # shared with the check of the GPU layouts (benchmarks/gpu_tree_check.py,
 # on the path through conftest.py)
+from gpu_tree_check import gather_sequence as _gather_sequence  # noqa: E402
 from gpu_tree_check import slots as _slots  # noqa: E402
+from gpu_tree_check import tree_attention  # noqa: E402
 from gpu_tree_check import tree_meta  # noqa: E402,F401  (tests/test_kv_layouts.py)
 
 ops = pytest.importorskip("vllm._custom_ops")
@@ -516,3 +517,32 @@ def test_batched_tree_attention_equals_reference(window, sizes, softcap, dtype):
         torch.testing.assert_close(out[s:e].float(), ref, rtol=tol, atol=tol)
     # vLLM's own rows are left alone
     assert torch.all(out[:offset] == 7.0)
+
+
+def test_read_only_tree_masks_build_the_step_mask_without_a_warning():
+    """The trees' masks are read-only (``build_tree``'s cached layouts): the
+    step's mask is built from them with no warning (``torch.from_numpy`` of a
+    read-only array warns), prefix then tree from slot ``P``."""
+    import warnings
+
+    from vllm_lookahead.branch.tree_attention import TreeAttnMetadata
+
+    tree = build_tree(3, 2, 1)
+    assert not tree.mask.flags.writeable
+    t = tree.num_nodes
+    meta = TreeAttnMetadata(starts=[2], ends=[2 + t], context_lens=[20], masks=[tree.mask],
+                            positions=(20 + tree.depth).astype(np.int64),
+                            blocks=[(16, [np.array([3, 1])])], device=torch.device("cpu"),
+                            offset=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mask = meta.float_mask(0, -1, torch.float32)
+        windowed = meta.float_mask(0, 4, torch.float32)
+    seen = torch.isfinite(mask[0, 0])
+    assert mask.shape == (1, 1, t, 32 + t)
+    assert seen[:, :20].all() and not seen[:, 20:32].any()
+    assert torch.equal(seen[:, 32:], torch.from_numpy(tree.mask.copy()))
+    # window 4: a node at position q sees keys at q - 3 .. q
+    q = 20 + tree.depth[:, None]
+    assert torch.equal(torch.isfinite(windowed[0, 0, :, :20]),
+                       torch.from_numpy((np.arange(20)[None, :] > q - 4)))

@@ -1,20 +1,9 @@
 """The lookahead proposer vLLM instantiates for ``method="lookahead"``.
 
-The vLLM-facing side only: it maps vLLM's runner and scheduler output onto
-the engine-agnostic code and back. Where things are:
-
-* which request runs what this step (modes, catch-ups, quiet batches):
-  :mod:`.step`, with the shapes chosen by :mod:`.planner`;
-* a request's window, pool, lookups, checked chains and accounting:
-  :mod:`.drafting` (over :mod:`.state`);
-* a request's tree (layout, tokens, positions, budget): :mod:`.trees`;
-* the tree-masked forwards on vLLM's model and KV cache: :mod:`.worker`;
-* every patch of vLLM's own code: :mod:`.patches`.
-
-Here: the hooks :mod:`.patches` calls (warm-up, request lifecycle, the
-fused forward, the drafts of a step, the stats), the per-request settings
-read from vLLM's requests, the step timing for the cost model and the
-agreement of tensor-parallel ranks on it.
+It maps vLLM's runner and scheduler output onto the engine-agnostic drafting
+(:mod:`.planner.step`, :mod:`.algo.drafting`) and back: the hooks :mod:`.patches`
+calls, the per-request settings read from vLLM's requests, and the step timing
+that corrects the planner's cost model.
 """
 
 from __future__ import annotations
@@ -26,22 +15,16 @@ import numpy as np
 from vllm.logger import init_logger
 
 import vllm_lookahead.cpu.lazy_bonus as lazy_bonus
-from vllm_lookahead.planner.acceptance import AcceptancePrior
-from vllm_lookahead.config import (
-    ADDITIONAL_CONFIG_KEY,
-    WAITING_ATTR,
-    LookaheadConfig,
-    LookaheadConfigError,
-    RequestSettings,
-    request_settings,
-)
 from vllm_lookahead.algo.drafting import Live, account, harvest, new_state
 from vllm_lookahead.algo.memory import SCOPE_KEY, SharedMemory
-from vllm_lookahead.planner.planner import Planner
 from vllm_lookahead.algo.state import SAMPLES_KEY, RequestState, sibling_group
-from vllm_lookahead.stats import LookaheadStats
-from vllm_lookahead.planner.step import StepDrafter
 from vllm_lookahead.algo.trees import PlannedTree
+from vllm_lookahead.config import (ADDITIONAL_CONFIG_KEY, WAITING_ATTR, LookaheadConfig,
+                                   LookaheadConfigError, RequestSettings, request_settings)
+from vllm_lookahead.planner.acceptance import AcceptancePrior
+from vllm_lookahead.planner.planner import Planner
+from vllm_lookahead.planner.step import StepDrafter
+from vllm_lookahead.stats import LookaheadStats
 
 logger = init_logger("vllm." + __name__)  # under "vllm": vLLM configures that logger
 
@@ -50,173 +33,131 @@ class LookaheadProposer:
     """Lookahead decoding drafter (one per worker, on the last PP rank)."""
 
     def __init__(self, vllm_config) -> None:
-        spec = vllm_config.speculative_config
-        self.cfg = LookaheadConfig.from_dict(
-            (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {})
-        )
-        fused = self.cfg.mode == "fused"
-        cg_mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
-        graphs = graphs_note(cg_mode) if fused else None
-        if graphs:
-            logger.info("Lookahead: %s", graphs)
-        self.fused = fused
-        #: max tokens of one forward (vLLM's compiled ranges end there)
+        self.cfg = cfg = LookaheadConfig.from_dict(
+            (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}))
+        self.fused = cfg.mode == "fused"
+        note = graphs_note(getattr(vllm_config.compilation_config, "cudagraph_mode", None))
+        if self.fused and note:
+            logger.info("Lookahead: %s", note)
+        #: max tokens of one forward (vLLM's compiled shapes end there)
         self.max_step_tokens = getattr(vllm_config.scheduler_config,
                                        "max_num_batched_tokens", None)
-        self.num_spec_tokens = spec.num_speculative_tokens
+        self.num_spec_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.states: dict[str, RequestState] = {}
         self.stats = LookaheadStats()
-        self.prior = AcceptancePrior(max_cands=self.cfg.guess_set_size)
-        #: The step's drafts (engine-agnostic); holds the planner.
-        self.step = StepDrafter(self.cfg, fused, self.max_model_len, self.stats, self.prior)
+        self.prior = AcceptancePrior(max_cands=cfg.guess_set_size)
+        self.step = StepDrafter(cfg, self.fused, self.max_model_len, self.stats, self.prior)
         self.disable_batch_size = self.step.disable_batch_size
-        #: The engine's memory of its requests' text (None: off).
-        self.memory = (SharedMemory(self.cfg.memory_tokens, delay=self.cfg.ngram_size)
-                       if self.cfg.shared_memory else None)
-        self.step.memory = self.memory
-        self.worker = None  # LookaheadWorker, bound at warm-up or on the first step
-        #: Why the lookahead branch cannot run here (None: it can).
-        self.trees_unsupported: str | None = None
-        #: req id -> tokens scheduled this step (set by on_update_states).
+        self.memory = self.step.memory = (
+            SharedMemory(cfg.memory_tokens, delay=cfg.ngram_size) if cfg.shared_memory else None)
+        self.worker = None  # LookaheadWorker, made at warm-up
+        self.trees_unsupported: str | None = None  # why the trees cannot run here
+        # this step (on_update_states): tokens scheduled per request, vLLM's
+        # draft length for the batch size, no new or resumed request, requests
+        # waiting for a slot (patch 16; None: not reported)
         self._scheduled: dict[str, int] = {}
         self._spec_k: int | None = None
-        #: fused: req id -> (PlannedTree, the step's FusedPreds, its index
-        #: there): the argmax of its appended nodes, once vLLM's logits ran.
-        self._fused_out: dict[str, tuple] = {}
+        self._clean = False
+        self._waiting = None
+        #: fused: req id -> (its tree, its index in the worker's fused_preds)
+        self._fused_out: dict[str, tuple[PlannedTree, int]] = {}
+        #: rank 0's value on every tensor-parallel rank (None: one rank)
         tp = vllm_config.parallel_config.tensor_parallel_size
-        #: rank 0's value on every tensor-parallel rank (None: one rank).
         self._agree = _rank0_choice if tp > 1 else None
         self._timer = StepTimer(self._agree)
-        #: Whether the step being run has no new or resumed request.
-        self._clean = False
-        #: Requests waiting for a batch slot at this step (patch 16; None:
-        #: not reported).
-        self._waiting = None
-        how = "planned per step" if self.cfg.adaptive else "fixed tree"
+        how = "planned per step" if cfg.adaptive else "fixed tree"
         if self.disable_batch_size:
             how += f", off from {self.disable_batch_size} decoding requests"
-        logger.info("Lookahead decoding: %s, draft length %d, %s",
-                    self.cfg, self.num_spec_tokens, how)
+        logger.info("Lookahead decoding: %s, draft length %d, %s", cfg, self.num_spec_tokens, how)
 
     @property
     def planner(self) -> Planner | None:
-        """Planner (``adaptive``); its cost model is set up at warm-up."""
         return self.step.planner
 
-    # -- vLLM's custom proposer interface ---------------------------------
     def load_model(self, model) -> None:
         """Nothing to load: lookahead drafts with the target model itself."""
 
     def propose(self, *args, **kwargs) -> list[list[int]]:
-        raise RuntimeError(
-            "LookaheadProposer.propose() needs the model runner; it is called "
-            "through vllm_lookahead.patches (is the vllm_lookahead plugin "
-            "loaded? check `VLLM_PLUGINS`)"
-        )
+        raise RuntimeError("LookaheadProposer.propose() is called through vllm_lookahead."
+                           "patches (is the plugin loaded? check `VLLM_PLUGINS`)")
 
-    # -- hooks called by vllm_lookahead.patches ---------------------------
     def warm_up(self, runner) -> None:
-        """After vLLM's warm-up (the KV cache exists): wrap the attention
-        layers and set up the planner's cost model (measured, cached, from
-        a file or assumed: ``cost_model``)."""
+        """Once the KV cache exists: wrap the attention layers and set up the
+        planner's cost model (``cost_model``)."""
         if self.worker is None and self.step.trees:
             from vllm_lookahead.worker import LookaheadWorker, TreesUnsupported
 
             try:
                 self.worker = LookaheadWorker(runner)
-            except TreesUnsupported as e:
-                # Never a crash at start: the n-gram drafts still pay.
-                logger.warning(
-                    "Lookahead: the lookahead branch cannot run on this engine: %s. "
-                    "Drafting from prompt lookup only (no Jacobi window, no trees)%s.",
-                    e, ", planned per step" if self.cfg.adaptive else "")
+            except TreesUnsupported as e:  # no crash: prompt-lookup drafts still pay
+                logger.warning("Lookahead: the lookahead branch cannot run on this engine: %s. "
+                               "Drafting from prompt lookup only (no Jacobi window, no trees)%s.",
+                               e, ", planned per step" if self.cfg.adaptive else "")
                 self.step.trees = False
                 self.trees_unsupported = str(e)
         if self.cfg.adaptive and self.planner is None:
+            import vllm_lookahead.cpu.sampling as cpu_sampling
             from vllm_lookahead.branch.warmup import build_cost_model
 
-            # Without trees nothing can time the tree path: an assumed curve,
-            # corrected from the engine's own steps.
+            # without trees nothing can time them: an assumed curve, corrected
             setting = self.cfg.cost_model if self.worker is not None else "off"
             cost = build_cost_model(setting, runner, self.worker, self._agree)
-            self.step.planner = Planner(cost, fused=self.fused)
             cost.learn_plain = self.cfg.learn_step_cost
-            self.step.planner.min_draft_p = self.cfg.min_draft_p
-            import vllm_lookahead.cpu.sampling as cpu_sampling
-
-            self.step.planner.lazy_verify = cpu_sampling.LAZY_VERIFY
+            planner = self.step.planner = Planner(cost, fused=self.fused)
+            planner.min_draft_p = self.cfg.min_draft_p
+            planner.lazy_verify = cpu_sampling.LAZY_VERIFY
 
     def on_update_states(self, scheduler_output) -> None:
-        """Free finished/aborted requests; forget preempted ones that resume
-        (they are rebuilt from their tokens on their next step)."""
-        for req_id in scheduler_output.finished_req_ids:
-            self._forget(req_id)
-        resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ())
-        for req_id in resumed or ():
+        """Forget finished and aborted requests, and preempted ones that
+        resume (rebuilt from their tokens on their next step)."""
+        resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()) or ()
+        for req_id in (*scheduler_output.finished_req_ids, *resumed):
             self._forget(req_id)
         self._scheduled = scheduler_output.num_scheduled_tokens
         self._clean = not scheduler_output.scheduled_new_reqs and not resumed
-        # vLLM's per-batch-size draft length (num_speculative_tokens_per_batch_size).
         self._spec_k = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
-        # requests waiting for a slot (patch 16; None: not reported)
         self._waiting = getattr(scheduler_output, WAITING_ATTR, None)
 
     def model_forward(self, runner, forward, input_ids, positions, **kwargs):
-        """The runner's model call of a step (fused mode): append the planned
-        trees of the requests scheduled as planned, run, keep their argmax."""
+        """The runner's model call: in fused mode the planned trees of the
+        requests scheduled as planned ride along, within vLLM's token budget."""
         self._fused_out = {}
         if not self.fused or self.worker is None or kwargs.get("inputs_embeds") is not None:
             return forward(input_ids=input_ids, positions=positions, **kwargs)
-        batch = runner.input_batch
-        index = batch.req_id_to_index
-        computed = batch.num_computed_tokens_cpu
-        rows, plans = [], []
+        index = runner.input_batch.req_id_to_index
+        computed = runner.input_batch.num_computed_tokens_cpu
+        room = int(self.max_step_tokens) - int(input_ids.shape[0]) if self.max_step_tokens else None
+        rows, req_ids = [], []
         for req_id, state in self.states.items():
-            plan = state.plan
+            plan, state.plan = state.plan, None
             if plan is None:
                 continue
-            state.plan = None
-            i = index.get(req_id)
-            # vLLM must feed exactly the planned draft, the tree's root
-            # following its last token (a catch-up tree: rooted at the
-            # first token vLLM feeds, whatever the draft).
-            scheduled = self._scheduled.get(req_id)
+            i, n = index.get(req_id), self._scheduled.get(req_id)
+            # vLLM must feed exactly the planned draft, the root right after
+            # it (a catch-up tree: rooted at the first token vLLM feeds)
             if plan.catch_up:
-                ok = i is not None and scheduled and int(computed[i]) == plan.root_pos
+                ok = i is not None and n and int(computed[i]) == plan.root_pos
             else:
-                ok = (i is not None and scheduled == plan.num_scheduled
-                      and int(computed[i]) + plan.num_scheduled == plan.root_pos)
-            if not ok:
+                ok = (i is not None and n == plan.num_scheduled
+                      and int(computed[i]) + n == plan.root_pos)
+            if not ok or (room is not None and len(plan.tokens) > room):
                 self.stats.trees_dropped += 1
                 continue
+            room = room - len(plan.tokens) if room is not None else None
             rows.append((i, plan))
-            plans.append((req_id, plan))
-        # A forward never grows past vLLM's token budget (its compiled
-        # shapes end there): trees that would are dropped.
-        if self.max_step_tokens:
-            room = int(self.max_step_tokens) - int(input_ids.shape[0])
-            kept = []
-            for row, p in zip(rows, plans):
-                size = len(row[1].tokens)
-                if size <= room:
-                    kept.append((row, p))
-                    room -= size
-                else:
-                    self.stats.trees_dropped += 1
-            rows, plans = [k[0] for k in kept], [k[1] for k in kept]
+            req_ids.append(req_id)
         if not rows:
             return forward(input_ids=input_ids, positions=positions, **kwargs)
         trees = _tree_requests(rows)
-        hidden, preds = self.worker.fused_forward(forward, trees, input_ids, positions, **kwargs)
+        hidden = self.worker.fused_forward(forward, trees, input_ids, positions, **kwargs)
         self.stats.lookahead_query_tokens += sum(len(t.tokens) for t in trees)
         self.stats.fused_trees += len(trees)
         self.stats.fused_steps += 1
-        self._fused_out = {req_id: (plan, preds, r) for r, (req_id, plan) in enumerate(plans)}
+        self._fused_out = {q: (plan, r) for r, (q, (_, plan)) in enumerate(zip(req_ids, rows))}
         return hidden
 
-    # -- patch 12: the tree rows' logits in vLLM's own logits call --------
-    def take_extra_rows(self):
+    def take_extra_rows(self):  # patch 12: the tree rows in vLLM's logits call
         return self.worker.take_extra_rows() if self.worker is not None else None
 
     def put_extra_logits(self, logits) -> None:
@@ -224,30 +165,26 @@ class LookaheadProposer:
             self.worker.put_extra_logits(logits)
 
     def propose_for_runner(self, runner, sampled_token_ids: list[list[int]]) -> list[list[int]]:
-        """Drafts for every request of the runner's batch (batch order)."""
+        """Drafts for every row of the runner's batch."""
         t0 = time.perf_counter()
-        if (self.worker is None and self.step.trees) or (self.cfg.adaptive and self.planner is None):
+        if (self.worker is None and self.step.trees) or (self.cfg.adaptive
+                                                         and self.planner is None):
             self.warm_up(runner)
         batch = runner.input_batch
-        num_tokens = batch.num_tokens_no_spec
         token_ids = batch.token_ids_cpu
         fused_out, self._fused_out = self._fused_out, {}
         spec_k = self.num_spec_tokens
         if self._spec_k is not None:
             spec_k = min(spec_k, int(self._spec_k))
-
-        # Requests that decode this step, with their state up to date.
         live: list[Live] = []
-        num_decoding = 0
-        clean = self._clean
-        joined = False
+        num_decoding, clean, joined = 0, self._clean, False
         for i, sampled in enumerate(sampled_token_ids):
             if not sampled:
                 clean = False  # still prefilling
                 continue
             num_decoding += 1
             req_id = batch.req_ids[i]
-            n_tok = int(num_tokens[i])
+            n_tok = int(batch.num_tokens_no_spec[i])
             state = self.states.get(req_id)
             if state is None:
                 state = self._new_state(runner, req_id, token_ids[i], n_tok)
@@ -259,16 +196,11 @@ class LookaheadProposer:
             state.plan = None
             if not state.settings.enabled:
                 continue
-            chain = []
-            if self.fused:
-                out = fused_out.get(req_id)
-                if out is not None:
-                    plan, preds, r = out
-                    chain = harvest(state, plan, preds.get()[r], sampled, self.memory)
-            room = min(spec_k, self.max_model_len - n_tok - 1)
-            live.append(Live(i, state, n_tok, room, chain))
+            out = fused_out.get(req_id)
+            chain = [] if out is None else harvest(
+                state, out[0], self.worker.fused_preds()[out[1]], sampled, self.memory)
+            live.append(Live(i, state, n_tok, min(spec_k, self.max_model_len - n_tok - 1), chain))
         self._timer.book(self.planner, t0, clean, len(live))
-
         # the batch as a whole: nothing waits and every row decodes with lookahead
         closed = (self.cfg.batch_end and self._waiting == 0
                   and len(live) == num_decoding == len(sampled_token_ids))
@@ -283,108 +215,94 @@ class LookaheadProposer:
     def get_stats(self) -> dict:
         self.stats.live_requests = len(self.states)
         self.stats.pool_ngrams = sum(len(s.pool) for s in self.states.values())
-        d = self.stats.to_dict()
-        d["config"] = self.cfg.to_dict()
-        d["mode"] = "fused" if self.fused else "separate"
-        d["trees_unsupported"] = self.trees_unsupported
-        d["kv_page_layouts"] = getattr(self.worker, "layouts", None)
-        d["disable_batch_size"] = self.disable_batch_size
-        d["cost_model"] = self.planner.cost.snapshot() if self.planner is not None else None
-        d["explored_trees"] = self.planner.explored if self.planner is not None else 0
-        d["acceptance_prior"] = self.prior.snapshot()
-        mem = self.memory
-        d["shared_memory"] = None if mem is None else {
-            "documents": len(mem), "tokens": mem.tokens, "capacity_tokens": mem.capacity,
-            "bytes": mem.nbytes(), "evicted_documents": mem.evicted,
-            "harvested_ngrams": mem.harvested}
-        return d
+        planner, mem = self.planner, self.memory
+        return {
+            **self.stats.to_dict(), "config": self.cfg.to_dict(),
+            "mode": "fused" if self.fused else "separate",
+            "trees_unsupported": self.trees_unsupported,
+            "kv_page_layouts": getattr(self.worker, "layouts", None),
+            "disable_batch_size": self.disable_batch_size,
+            "cost_model": planner.cost.snapshot() if planner is not None else None,
+            "explored_trees": planner.explored if planner is not None else 0,
+            "acceptance_prior": self.prior.snapshot(),
+            "shared_memory": None if mem is None else {
+                "documents": len(mem), "tokens": mem.tokens, "capacity_tokens": mem.capacity,
+                "bytes": mem.nbytes(), "evicted_documents": mem.evicted,
+                "harvested_ngrams": mem.harvested}}
 
     def clear_memory(self) -> bool:
-        """Forget the shared memory (vLLM's ``reset_prefix_cache``; patch
-        13). Requests running now add nothing more to it."""
-        if self.memory is None:
-            return False
-        self.memory.clear()
-        return True
+        """Forget the shared memory (vLLM's ``reset_prefix_cache``, patch 13)."""
+        if self.memory is not None:
+            self.memory.clear()
+        return self.memory is not None
 
-    # -- internals -------------------------------------------------------------
     def _new_state(self, runner, req_id: str, tokens: np.ndarray, n_tok: int) -> RequestState:
-        """A request's state from vLLM's request (prompt length, sampling
-        parameters and their per-request lookahead settings)."""
+        """A request's state from vLLM's request: prompt length, sampling
+        parameters and its lookahead settings."""
         req = runner.requests.get(req_id)
         n_prompt = req.num_prompt_tokens if req is not None else n_tok
         params = getattr(req, "sampling_params", None)
+        extra = getattr(params, "extra_args", None)
         try:
-            settings = request_settings(getattr(params, "extra_args", None), self.cfg)
+            settings = request_settings(extra, self.cfg)
         except LookaheadConfigError as e:  # validated by the frontend; be safe
             logger.warning("Lookahead: request %s: %s; lookahead off for it", req_id, e)
             settings = RequestSettings(enabled=False)
-        seeded = _seeded_sampling(params)
+        sampled = params is not None and float(getattr(params, "temperature", 0.0) or 0.0) >= 1e-5
+        # a seeded request samples the same tokens every run: nothing that
+        # decides its drafts may depend on timing or on other requests
+        seeded = sampled and getattr(params, "seed", None) is not None
         state = new_state(settings, tokens, n_tok, n_prompt, getattr(params, "max_tokens", None),
                           seeded, self.cfg.seed, self.prior)
         state.group = sibling_group(req_id)
+        state.sampled = sampled
+        state.lazy_bonus = lazy_bonus.request_applies(params)
         if seeded:
             state.seeded_batch = seeded_batch(params, self.cfg.seeded_batch,
                                               runner.vllm_config.scheduler_config.max_num_seqs)
-            self.stats.seeded_by_batch[str(state.seeded_batch)] = (
-                self.stats.seeded_by_batch.get(str(state.seeded_batch), 0) + 1)
-        state.sampled = _sampling(params)
-        state.lazy_bonus = lazy_bonus.request_applies(params)
+            key = str(state.seeded_batch)
+            self.stats.seeded_by_batch[key] = self.stats.seeded_by_batch.get(key, 0) + 1
         if self.memory is not None and settings.enabled and settings.shared_memory:
-            extra = getattr(params, "extra_args", None) or {}
-            state.memory_scope = int(extra.get(SCOPE_KEY, 0) or 0)
-            state.memory_doc = self.memory.open(state.memory_scope, tokens[:min(n_prompt, n_tok)])
+            state.memory_scope = int((extra or {}).get(SCOPE_KEY, 0) or 0)
             state.memory_upto = min(n_prompt, n_tok)
-            # A seeded request's draft must not depend on what ran before.
+            state.memory_doc = self.memory.open(state.memory_scope, tokens[:state.memory_upto])
             state.memory_reads = not seeded
         self.states[req_id] = state
         return state
 
     def _forget(self, req_id: str) -> None:
-        """A request finished, was aborted or resumes after preemption."""
         state = self.states.pop(req_id, None)
         if state is not None and state.memory_doc is not None:
             self.memory.close(state.memory_doc)
 
     def _run_trees(self, rows: list[tuple[int, PlannedTree]]) -> list[np.ndarray]:
-        """A separate tree-masked forward over ``(batch row, tree)`` pairs:
-        per tree, int64 [T] the target's argmax at every node."""
+        """Separate mode: per ``(batch row, tree)``, the int64 ``[T]`` argmax."""
         return self.worker.run(_tree_requests(rows))
 
 
 class StepTimer:
-    """Times the engine's steps for the planner's cost model: a step runs
+    """Books the engine's steps into the planner's cost model: a step runs
     from the end of one proposer call (its drafts planned) to the start of
-    the next (its forward, sampling and scheduling)."""
+    the next."""
 
-    #: Steps between two agreements of the cost correction (TP ranks).
-    AGREE_EVERY = 32
+    AGREE_EVERY = 32  # steps between two agreements of the TP ranks' corrections
 
     def __init__(self, agree) -> None:
-        #: rank 0's value on every tensor-parallel rank (None: one rank).
-        self.agree = agree
-        #: The last planned step: (decoding requests, query tokens per
-        #: request, whether it had trees, requests with more than one query
-        #: token, seconds of vLLM's verification of its drafts as measured,
-        #: the least (first, next) verification of a drafting request's kind
-        #: (None: no draft), end of its proposer call), to time it.
+        self.agree = agree  # rank 0's value on every TP rank (None: one rank)
+        #: the last planned step (``StepDrafter.run``'s ``planned``: decoding
+        #: requests, query tokens per request, trees or not, drafting requests,
+        #: verification counted, least verification or None), then its end
         self.last: tuple | None = None
         self.calls = 0
 
     def book(self, planner: Planner | None, now: float, clean: bool, num_live: int) -> None:
-        """Book the step that just ran with the cost model (if it ran as
-        planned: as many requests, no prefill; less the verification the
-        plan counted), and agree on the correction every ``AGREE_EVERY``
-        calls."""
+        """Book the step that just ran, if it ran as planned (as many
+        requests, no prefill), less the verification its plan counted (at
+        most half the step: the planes learn what a wrong estimate leaves)."""
         if planner is None:
             return
-        cost = planner.cost
-        last = self.last
+        cost, last = planner.cost, self.last
         if last is not None and clean and last[0] == num_live:
-            # The cost model's planes price the forward; vLLM's verification
-            # of the step's drafts, as measured at start-up, is taken out
-            # (never below half the step: the planes' clip bounds a wrong
-            # estimate; what the steps undo of it, the planes learn).
             took = now - last[6]
             cost.observe(last[0], last[1], max(took - last[4], took / 2), tree=last[2],
                          drafting=last[3], verify_least=last[5])
@@ -393,74 +311,41 @@ class StepTimer:
             local = cost.local_factors()
             cost.agreed(self.agree(local) if self.agree is not None else local)
 
-    def planned(self, planned: tuple | None,
-                end: float) -> None:
-        """The step just planned (:meth:`StepDrafter.run`'s ``planned``;
-        None: not planned, not timed) and the end of its proposer call."""
+    def planned(self, planned: tuple | None, end: float) -> None:
+        """The step just planned (None: not timed) and its proposer call's end."""
         self.last = (*planned, end) if planned is not None else None
 
 
 def graphs_note(cudagraph_mode) -> str | None:
-    """What fused mode does under ``cudagraph_mode`` (None: no graphs).
-
-    Fused mode runs under every mode: a step that carries tree rows runs
-    without graph replay (:func:`~vllm_lookahead.worker.graphs_off`), the
-    steps without trees replay vLLM's graphs as usual."""
+    """What fused mode does under ``cudagraph_mode`` (None: no graphs)."""
     name = str(getattr(cudagraph_mode, "name", cudagraph_mode))
     if cudagraph_mode is None or name == "NONE":
         return None
-    return (f"cudagraph_mode={name}: steps that carry lookahead trees run without "
-            "CUDA graph replay (compiled, eager attention); steps without trees replay "
-            "vLLM's graphs")
+    return (f"cudagraph_mode={name}: steps that carry lookahead trees run without CUDA graph "
+            "replay (compiled, eager attention); steps without trees replay vLLM's graphs")
 
 
 def _tree_requests(rows: list[tuple[int, PlannedTree]]) -> list:
-    """The worker's :class:`~vllm_lookahead.worker.TreeRequest` of each
-    ``(batch row, tree)``."""
     from vllm_lookahead.worker import TreeRequest
 
-    return [
-        TreeRequest(
-            tokens=tree.tokens,
-            positions=tree.positions,
-            mask=tree.layout.mask,
-            context_len=tree.root_pos,
-            batch_index=i,
-            read=tree.layout.read_nodes,
-        )
-        for i, tree in rows
-    ]
+    return [TreeRequest(tokens=tree.tokens, positions=tree.positions, mask=tree.layout.mask,
+                        context_len=tree.root_pos, batch_index=i, read=tree.layout.read_nodes)
+            for i, tree in rows]
 
 
 def _rank0_choice(obj):
-    """Tensor rank 0's ``obj`` on every rank (cost curve, measuring wishes,
-    cost corrections: tensor-parallel ranks must plan alike)."""
+    """Tensor rank 0's ``obj`` on every rank (TP ranks must plan alike)."""
     from vllm.distributed.parallel_state import get_tp_group
 
-    group = get_tp_group()
-    return group.broadcast_object(obj, src=0)
-
-
-def _sampling(params) -> bool:
-    """A sampled request (temperature > 0, as vLLM tells greedy apart)."""
-    return params is not None and float(getattr(params, "temperature", 0.0) or 0.0) >= 1e-5
+    return get_tp_group().broadcast_object(obj, src=0)
 
 
 def seeded_batch(params, least: int, max_num_seqs: int) -> int:
-    """The batch a seeded request's draft is priced in, fixed before it
-    starts: its parent's n (``state.SAMPLES_KEY``, written by the frontend:
-    vLLM runs the n samples together) or ``least``
-    (``LookaheadConfig.seeded_batch``), whichever is larger, at most the
-    engine's ``max_num_seqs``."""
-    extra = getattr(params, "extra_args", None) or {}
+    """The batch a seeded request's draft is priced in, fixed at its start:
+    its parent's n (``SAMPLES_KEY``, from the frontend) or ``least``, whichever
+    is larger, at most ``max_num_seqs``."""
     try:
-        n = int(extra.get(SAMPLES_KEY, 1) or 1)
+        n = int((getattr(params, "extra_args", None) or {}).get(SAMPLES_KEY, 1) or 1)
     except (TypeError, ValueError):
         n = 1
     return max(1, min(max(n, int(least or 0)), int(max_num_seqs or 1)))
-
-
-def _seeded_sampling(params) -> bool:
-    """A sampled request with its own seed: vLLM gives it the same tokens
-    at every run, so nothing that decides its drafts may depend on timing."""
-    return _sampling(params) and getattr(params, "seed", None) is not None

@@ -1,34 +1,14 @@
-"""Where one token's K and V live in a layer's paged KV cache, for any of
-vLLM 0.32's attention backends, and a fast gather of a request's pages.
+"""Where a token's K and V live in a layer's paged KV cache, and a gather of
+a request's blocks.
 
-vLLM 0.32 gives every attention layer a *logical* per-layer view
-``[num_blocks, kv_heads, block_size, C]`` of one shared buffer (RFC 42082,
-``vllm/v1/kv_cache_interface.py: create_kv_cache_views``), with physical
-strides from the resolved ``KVCacheLayout`` (LBHNC on the CPU, LBNHC by
-default on CUDA, block-outermost layouts for some connectors): on a GPU the
-per-layer view is generally *not* contiguous. Within a ``(block, head)``
-cell, ``[block_size, C]``, backends pack K and V differently:
-
-* FlashAttention, FlashInfer, Triton: ``C = [K (D) | V (D)]`` per token
-  (``kv_cache.transpose(1, 2).split(D, -1)``);
-* vLLM's CPU backend: the cell as ``[2 * block_size, D]``, K's half
-  first (its "vec" kernels keep it transposed, ``[D, block_size]``), then
-  V's; its ISA-specific kernels permute further (the AMX kernels, bfloat16
-  on a CPU with AMX tiles: K in 16-token tiles of dim pairs, V in 16-dim
-  tiles of token pairs).
-
-We never hard-code either: :func:`probe_page_layout` writes coded values
-with the backend's *own* cache writer (``impl.do_kv_cache_update``) into a
-scratch page laid out like the real cache, on the cache's device, and reads
-back where each ``K[t, d]`` / ``V[t, d]`` landed. A layout whose offsets are
-affine in ``(t, d)`` (the first two packings), or in the digits of ``t``
-and ``d`` split once each into tiles (``t = t1 * a + t0``, ``d = d1 * b +
-d0``: the AMX packing), is then read with strided views; any other
-permutation with one index per element (on the AMX packing, bfloat16
-SmolLM2, two 128-token blocks: 1.5 ms a layer that way, 0.16 ms strided).
-
-Pure torch, no vLLM import; every tensor made here lives on the cache's
-device.
+vLLM 0.32 hands every layer a logical ``[num_blocks, kv_heads, block_size, C]``
+view whose physical strides follow the ``KVCacheLayout`` (not contiguous on a
+GPU), and backends pack a ``(block, head)`` cell differently: ``C = [K | V]``
+per token (FlashAttention, FlashInfer, Triton), K transposed then V (the CPU's
+vec kernels), or tiles (its AMX kernels). :func:`probe_page_layout` learns the
+packing with the backend's own cache writer on a scratch page; affine or tiled
+offsets are then read with strided views, anything else by index. Pure torch,
+every tensor on the cache's device.
 """
 
 from __future__ import annotations
@@ -38,11 +18,10 @@ from typing import Callable
 
 import torch
 
-#: write_fn(key, value, kv_cache, slot_mapping): the backend's op storing
-#: key/value ``[tokens, kv_heads, head_size]`` into a logical
-#: ``[num_blocks, kv_heads, block_size, C]`` cache at flat slots
-#: ``block * block_size + offset``.
+#: The backend's writer: ``(key, value [tokens, H, D], cache, flat slots)``.
 WriteFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+#: ``(start, sizes, strides)`` over the tile digits ``(t1, t0, d1, d0)``.
+View = tuple[int, tuple[int, ...], tuple[int, ...]]
 
 
 class UnsupportedLayout(RuntimeError):
@@ -51,116 +30,83 @@ class UnsupportedLayout(RuntimeError):
 
 @dataclass(frozen=True)
 class PageLayout:
-    """How K and V sit in one ``(block, head)`` cell of the logical cache.
-
-    The cell, ``[block_size, C]`` viewed flat (``block_size * C`` elements,
-    logical order), holds ``K[t, d]`` at ``k_off[t * D + d]`` and ``V[t, d]``
-    at ``v_off[t * D + d]``. ``k_view`` / ``v_view`` are ``(start, sizes,
-    strides)`` when the offsets are affine in the tile digits ``(t1, t0,
-    d1, d0)`` of ``t = t1 * a + t0``, ``d = d1 * b + d0`` (``sizes =
-    (N / a, a, D / b, b)``, the least tiling found first), else None;
-    ``k_affine`` / ``v_affine`` (derived) are ``(start, t_stride,
-    d_stride)`` when that tiling is ``a = b = 1``, offsets affine in ``(t,
-    d)``, else None.
-    """
+    """How K and V sit in one ``(block, head)`` cell, ``[block_size, C]``
+    read flat: ``K[t, d]`` at ``k_off[t * D + d]`` (int64 ``[N * D]``), V
+    likewise. ``k_view``/``v_view``: the offsets as a :data:`View` over
+    ``t = t1 * a + t0``, ``d = d1 * b + d0`` (``sizes = (N/a, a, D/b, b)``,
+    the least tiling), None where no tiling makes them affine."""
 
     block_size: int
     num_kv_heads: int
     head_size: int
-    content: int  # C, elements per (head, token) cell row
-    k_off: torch.Tensor  # int64 [block_size * head_size], on the cache's device
+    content: int  # C
+    k_off: torch.Tensor
     v_off: torch.Tensor
-    k_view: tuple[int, tuple[int, ...], tuple[int, ...]] | None
-    v_view: tuple[int, tuple[int, ...], tuple[int, ...]] | None
+    k_view: View | None
+    v_view: View | None
 
-    @property
-    def k_affine(self) -> tuple[int, int, int] | None:
-        return _untiled(self.k_view)
-
-    @property
-    def v_affine(self) -> tuple[int, int, int] | None:
-        return _untiled(self.v_view)
+    #: ``(start, t_stride, d_stride)`` where K (V) is untiled, else None
+    k_affine = property(lambda self: _untiled(self.k_view))
+    v_affine = property(lambda self: _untiled(self.v_view))
 
     @property
     def name(self) -> str:
-        """``split`` (K and V side by side in C: the GPU backends),
-        ``strided`` (other affine offsets, read with strided views: vLLM's
-        CPU backend keeps a block's K transposed, then its V), ``tiled``
-        (offsets affine in tile digits, read with strided views: vLLM's
-        CPU backend with AMX), ``indexed`` (any other permutation: one
-        index per element)."""
-        d = self.head_size
-        if self.k_affine == (0, self.content, 1) and self.v_affine == (d, self.content, 1):
+        """``split`` (``[K | V]`` per token), ``strided`` (other affine
+        offsets), ``tiled`` (affine in tile digits) or ``indexed``."""
+        if self.k_affine == (0, self.content, 1) and self.v_affine == (self.head_size,
+                                                                       self.content, 1):
             return "split"
         if self.k_affine is not None and self.v_affine is not None:
             return "strided"
-        if self.k_view is not None and self.v_view is not None:
-            return "tiled"
-        return "indexed"
+        return "tiled" if self.k_view is not None and self.v_view is not None else "indexed"
 
 
-def _untiled(view) -> tuple[int, int, int] | None:
-    """``(start, t_stride, d_stride)`` of a view whose tiling is ``a = b =
-    1`` (offsets affine in ``(t, d)``), else None."""
-    if view is None:
+def _untiled(view: View | None) -> tuple[int, int, int] | None:
+    if view is None or view[1][1] != 1 or view[1][3] != 1:
         return None
-    start, sizes, strides = view
-    return (start, strides[0], strides[2]) if sizes[1] == sizes[3] == 1 else None
+    return view[0], view[2][0], view[2][2]
 
 
-def _divisors(n: int) -> list[int]:
-    return [x for x in range(1, n + 1) if n % x == 0]
-
-
-def _tiled(off: torch.Tensor, bs: int, hd: int
-           ) -> tuple[int, tuple[int, ...], tuple[int, ...]] | None:
-    """``(start, sizes, strides)`` of the first tiling ``t = t1 * a + t0``,
-    ``d = d1 * b + d0`` (``a`` | ``bs``, ``b`` | ``hd``, untiled first) in
-    whose digits the offsets are affine with strides >= 0; None if none."""
+def _tiled(off: torch.Tensor, bs: int, hd: int) -> View | None:
+    """The least tiling (``a | bs``, ``b | hd``) in whose digits ``off`` is
+    affine with strides >= 0 (``as_strided`` takes no negative ones)."""
     o = off.view(bs, hd).cpu()
     start = int(o[0, 0])
     t = torch.arange(bs).view(bs, 1)
     d = torch.arange(hd).view(1, hd)
-    for a in _divisors(bs):
-        for b in _divisors(hd):
+    for a in (x for x in range(1, bs + 1) if bs % x == 0):
+        for b in (x for x in range(1, hd + 1) if hd % x == 0):
             sizes = (bs // a, a, hd // b, b)
             strides = (int(o[a, 0]) - start if bs // a > 1 else 0,
                        int(o[1, 0]) - start if a > 1 else 0,
                        int(o[0, b]) - start if hd // b > 1 else 0,
                        int(o[0, 1]) - start if b > 1 else 0)
-            if min(strides) < 0:  # as_strided takes no negative strides
+            if min(strides) < 0:
                 continue
-            expect = (start + (t // a) * strides[0] + (t % a) * strides[1]
-                      + (d // b) * strides[2] + (d % b) * strides[3])
+            expect = (start + t // a * strides[0] + t % a * strides[1]
+                      + d // b * strides[2] + d % b * strides[3])
             if torch.equal(o, expect):
                 return start, sizes, strides
     return None
 
 
 def scratch_like(cache: torch.Tensor, num_blocks: int = 1) -> torch.Tensor:
-    """A zeroed ``[num_blocks, H, N, C]`` tensor with ``cache``'s dtype,
-    device and physical dimension order (so a backend's writer that relies
-    on its layout's strides meets the same order)."""
+    """Zeroed ``[num_blocks, H, N, C]`` with ``cache``'s dtype, device and
+    physical dimension order (a writer relying on strides meets the same)."""
     shape = (num_blocks, *cache.shape[1:])
-    strides = cache.stride()
-    # physical order: largest stride first (ties: logical order)
-    order = sorted(range(cache.dim()), key=lambda i: (-strides[i], i))
+    order = sorted(range(cache.dim()), key=lambda i: (-cache.stride(i), i))
     phys = torch.zeros([shape[i] for i in order], dtype=cache.dtype, device=cache.device)
-    inverse = [order.index(i) for i in range(cache.dim())]
-    return phys.permute(*inverse)
+    return phys.permute(*[order.index(i) for i in range(cache.dim())])
 
 
 def probe_page_layout(cache: torch.Tensor, head_size: int, write_fn: WriteFn) -> PageLayout:
-    """Learn where ``write_fn`` (the backend's own cache writer) puts K and V.
+    """Learn where ``write_fn`` puts K and V in ``cache``'s cells (``cache``
+    is only read for shape, dtype, device and strides).
 
-    ``cache`` is the layer's real logical ``[num_blocks, H, N, C]`` cache
-    (read for shape, dtype, device and stride order only; never written).
-    Values written are small integers, exact in float32, bfloat16 and
-    float16: probes code the token and the dim (two base-64 digits each)
-    and the head; one writes K as +1 and V as -1 to tell them apart.
-
-    Raises :class:`UnsupportedLayout` for a cache that is not 4-D, mixes
-    heads or tokens, differs between heads, or loses a value.
+    Writes small integers (exact in bfloat16): the token and the dim in two
+    base-64 digits each, the head, and K as +1 / V as -1. Raises
+    :class:`UnsupportedLayout` unless every head holds K and V as the same
+    permutation.
     """
     if cache.dim() != 4:
         raise UnsupportedLayout(f"KV cache view of shape {tuple(cache.shape)} is not 4-D")
@@ -169,42 +115,37 @@ def probe_page_layout(cache: torch.Tensor, head_size: int, write_fn: WriteFn) ->
     if c < 2 * hd:
         raise UnsupportedLayout(f"KV cache cell of {c} elements cannot hold K and V of {hd}")
     dev = cache.device
-    t_idx = torch.arange(bs, device=dev).view(bs, 1, 1).expand(bs, kvh, hd)
-    d_idx = torch.arange(hd, device=dev).view(1, 1, hd).expand(bs, kvh, hd)
-    h_idx = torch.arange(kvh, device=dev).view(1, kvh, 1).expand(bs, kvh, hd)
+    shape = (bs, kvh, hd)
+    t_idx = torch.arange(bs, device=dev).view(bs, 1, 1).expand(shape)
+    d_idx = torch.arange(hd, device=dev).view(1, 1, hd).expand(shape)
+    h_idx = torch.arange(kvh, device=dev).view(1, kvh, 1).expand(shape)
     slots = torch.arange(bs, dtype=torch.int64, device=dev)
 
-    def write(code: torch.Tensor) -> torch.Tensor:
-        """``code + 1`` where K or V of a token landed, 0 elsewhere: [kvh, N*C]."""
+    def write(vals: torch.Tensor) -> torch.Tensor:
+        """Signed float32 ``[H, N * C]`` of the page after writing K = vals, V = -vals."""
         page = scratch_like(cache)
-        vals = (code + 1).to(cache.dtype).contiguous()
+        vals = vals.to(cache.dtype).contiguous()
         write_fn(vals, (-vals).contiguous(), page, slots)
-        return page[0].reshape(kvh, bs * c).float().cpu().abs()  # [kvh, bs*C], logical
-
-    def sign() -> torch.Tensor:
-        page = scratch_like(cache)
-        ones = torch.ones(bs, kvh, hd, dtype=cache.dtype, device=dev)
-        write_fn(ones, -ones, page, slots)
         return page[0].reshape(kvh, bs * c).float().cpu()
 
-    # token and dim in two base-64 digits each: exact in bfloat16 whatever N and D
-    tc = write(t_idx % 64) - 1 + 64 * (write(t_idx // 64) - 1)
-    dc = write(d_idx % 64) - 1 + 64 * (write(d_idx // 64) - 1)
-    hc = write(h_idx)
-    sg = sign()
+    def code(idx: torch.Tensor) -> torch.Tensor:
+        return write(idx + 1).abs() - 1
+
+    tc = code(t_idx % 64) + 64 * code(t_idx // 64)
+    dc = code(d_idx % 64) + 64 * code(d_idx // 64)
+    sg = write(torch.ones(shape, device=dev))
     is_k, is_v = sg > 0, sg < 0
-    heads = torch.arange(1, kvh + 1, dtype=torch.float32).view(kvh, 1)
-    if not torch.equal(hc[is_k | is_v], heads.expand_as(hc)[is_k | is_v]):
+    hc = code(h_idx)
+    heads = torch.arange(kvh, dtype=torch.float32).view(kvh, 1).expand_as(hc)
+    if not torch.equal(hc[is_k | is_v], heads[is_k | is_v]):
         raise UnsupportedLayout("KV cache layout mixes heads within a block")
 
     def offsets(sel: torch.Tensor, h: int) -> torch.Tensor:
         where = sel[h].nonzero().view(-1)
-        t = tc[h, where].long()
-        d = dc[h, where].long()
+        t, d = tc[h, where].long(), dc[h, where].long()
         off = torch.full((bs * hd,), -1, dtype=torch.int64)
-        if where.numel() != bs * hd or not (((t >= 0) & (t < bs) & (d >= 0) & (d < hd)).all()):
-            raise UnsupportedLayout("KV cache layout probe is not a permutation")
-        off[t * hd + d] = where
+        if where.numel() == bs * hd and bool(((t >= 0) & (t < bs) & (d >= 0) & (d < hd)).all()):
+            off[t * hd + d] = where
         if (off < 0).any():
             raise UnsupportedLayout("KV cache layout probe is not a permutation")
         return off
@@ -213,95 +154,70 @@ def probe_page_layout(cache: torch.Tensor, head_size: int, write_fn: WriteFn) ->
     for h in range(1, kvh):
         if not (torch.equal(offsets(is_k, h), k_off) and torch.equal(offsets(is_v, h), v_off)):
             raise UnsupportedLayout("KV cache layout differs between heads")
-    return PageLayout(
-        block_size=bs, num_kv_heads=kvh, head_size=hd, content=c,
-        k_off=k_off.to(dev), v_off=v_off.to(dev),
-        k_view=_tiled(k_off, bs, hd), v_view=_tiled(v_off, bs, hd),
-    )
+    return PageLayout(bs, kvh, hd, c, k_off.to(dev), v_off.to(dev),
+                      _tiled(k_off, bs, hd), _tiled(v_off, bs, hd))
 
 
-def gather_pages(
-    kv_cache: torch.Tensor,
-    block_ids: torch.Tensor,
-    layout: PageLayout,
-    out_k: torch.Tensor,
-    out_v: torch.Tensor,
-) -> None:
-    """Copy the K and V of whole blocks, request by request.
-
-    Args:
-        kv_cache: the layer's logical ``[num_blocks, H, N, C]`` cache (any
-            strides).
-        block_ids: int64 ``[R, nb]`` on the cache's device (pad a short
-            request with any valid block id; mask what lies past its length).
-        out_k, out_v: ``[R, H, nb * N, D]`` views to fill (token ``j`` of a
-            request is its block ``j // N``, offset ``j % N``).
-    """
+def gather_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor, layout: PageLayout,
+                 out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+    """Copy K and V of whole blocks into ``out_k``, ``out_v`` ``[R, H, nb * N,
+    D]`` (a request's token ``j``: its block ``j // N``, offset ``j % N``).
+    ``block_ids`` int64 ``[R, nb]`` on the cache's device (pad with any
+    valid block)."""
     r_n, nb = block_ids.shape
-    bs, hd, c, kvh = layout.block_size, layout.head_size, layout.content, layout.num_kv_heads
-    pages = _block_pages(kv_cache, block_ids.view(-1))  # [R*nb, H, N, C], any strides
+    bs, hd, kvh = layout.block_size, layout.head_size, layout.num_kv_heads
+    pages = _block_pages(kv_cache, block_ids.view(-1))
     for off, view, out in ((layout.k_off, layout.k_view, out_k),
                            (layout.v_off, layout.v_view, out_v)):
-        strided = None if view is None else _cell_view(pages, view, c)
-        if strided is not None:
-            start, sizes, strides = strided
-            p0 = pages.stride(0)
-            src = pages.as_strided((r_n, nb, kvh, *sizes),
-                                   (nb * p0, p0, pages.stride(1), *strides),
-                                   pages.storage_offset() + start)
-            out.view(r_n, kvh, nb, *sizes).copy_(src.permute(0, 2, 1, 3, 4, 5, 6))
+        src = _strided(pages, view, layout, r_n, nb)
+        if src is not None:  # [R, H, nb, *sizes]
+            out.view(src.shape).copy_(src)
         else:
-            flat = pages.reshape(r_n * nb, kvh, bs * c)
-            src = flat.index_select(2, off).view(r_n, nb, kvh, bs, hd)
-            out.view(r_n, kvh, nb, bs, hd).copy_(src.permute(0, 2, 1, 3, 4))
+            src = pages.reshape(r_n * nb, kvh, bs * layout.content).index_select(2, off)
+            out.view(r_n, kvh, nb, bs, hd).copy_(src.view(r_n, nb, kvh, bs, hd).transpose(1, 2))
 
 
 def gather_token_major(kv_cache: torch.Tensor, block_ids: torch.Tensor,
                        layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """K and V of whole blocks as views of one copy, each ``[R, H, nb * N,
-    D]`` (token ``j`` of a request: its block ``j // N``, offset ``j %
-    N``), where the cache's blocks, copied in their physical order, hold
-    every token of a request at one stride (the token outermost within a
-    block, K and V each at affine offsets within a token's row: CUDA's
-    default LBNHC with FlashAttention's ``K | V`` packing); else None
-    (:func:`gather_pages` then). One copy of the blocks and no second one
-    into a dense K and V; slots past a request's tokens (its padding
-    blocks) may be overwritten, the cache never is.
-
-    Args:
-        kv_cache: the layer's logical ``[num_blocks, H, N, C]`` cache.
-        block_ids: int64 ``[R, nb]`` on the cache's device.
+    """K and V ``[R, H, nb * N, D]`` as views of one copy of the blocks, where
+    that copy holds a request's tokens at one stride (CUDA's default LBNHC
+    with ``[K | V]``); else None. Saves the second copy into a dense K and V;
+    the caller may write past a request's tokens (the copy, never the cache).
     """
     r_n, nb = block_ids.shape
     pages = _block_pages(kv_cache, block_ids.view(-1))
     out = []
     for view in (layout.k_view, layout.v_view):
-        cell = None if view is None else _cell_view(pages, view, layout.content)
-        if cell is None:
-            return None
-        start, sizes, strides = cell
-        if sizes[1] != 1 or sizes[3] != 1 or strides[0] * layout.block_size != pages.stride(0):
-            return None  # tiled, or a token stride that changes at a block's edge
-        p0 = pages.stride(0)
-        out.append(pages.as_strided((r_n, layout.num_kv_heads, nb * layout.block_size,
-                                     layout.head_size),
-                                    (nb * p0, pages.stride(1), strides[0], strides[2]),
-                                    pages.storage_offset() + start))
+        src = _strided(pages, view, layout, r_n, nb)  # [R, H, nb, N / a, a, D / b, b]
+        if src is None or src.shape[4] != 1 or src.shape[6] != 1 or (
+                src.stride(3) * layout.block_size != src.stride(2)):
+            return None  # tiled, or the token stride changes at a block's edge
+        out.append(src.view(r_n, layout.num_kv_heads, nb * layout.block_size, layout.head_size))
     return out[0], out[1]
 
 
+def _strided(pages: torch.Tensor, view: View | None, layout: PageLayout, r_n: int,
+             nb: int) -> torch.Tensor | None:
+    """K or V of ``pages`` (``[R * nb, H, N, C]``, any strides) as a strided
+    ``[R, H, nb, *sizes]`` view over ``view``'s tile digits, or None."""
+    cell = None if view is None else _cell_view(pages, view, layout.content)
+    if cell is None:
+        return None
+    start, sizes, strides = cell
+    p0 = pages.stride(0)
+    return pages.as_strided((r_n, layout.num_kv_heads, nb, *sizes),
+                            (nb * p0, pages.stride(1), p0, *strides),
+                            pages.storage_offset() + start)
+
+
 def _block_pages(kv_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The blocks ``ids`` of the logical ``[num_blocks, H, N, C]`` cache,
-    ``[len(ids), H, N, C]``: copied whole in the cache's physical order
-    within a block (a plain row copy per block), returned as a logical view
-    of that copy. On a cache whose logical view is not its physical order
-    (CUDA's default LBNHC: ``[N, H, C]`` within a block) a logical
-    ``index_select`` gathers element by element: on an H200, Llama-3-8B's
-    heads, 64 requests over 2048 cached tokens, 0.95 ms a layer against
-    about 0.3 ms so."""
+    """Blocks ``ids`` of the logical cache, ``[len(ids), H, N, C]``: copied
+    whole in the physical order within a block (one row copy per block; a
+    logical ``index_select`` on LBNHC goes element by element, ~3x slower),
+    returned as a logical view of the copy."""
     inner = sorted(range(1, 4), key=lambda i: (-kv_cache.stride(i), i))
     phys = kv_cache.permute(0, *inner)
-    if not phys[0].is_contiguous():  # blocks not dense: gather logically
+    if not phys[0].is_contiguous():
         return kv_cache.index_select(0, ids)
     back = [0] * 4
     for pos, dim in enumerate([0, *inner]):
@@ -309,12 +225,11 @@ def _block_pages(kv_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return phys.index_select(0, ids).permute(*back)
 
 
-def _cell_view(pages: torch.Tensor, view, content: int):
-    """``view`` (``(start, sizes, strides)`` in a ``(block, head)`` cell's
-    logical flat offsets ``t * C + c``) as ``pages``' own element offsets
-    (``pages``: ``[B, H, N, C]``, any strides), or None where a stride of
-    the view is not one of whole tokens or one within a token."""
-    if pages.is_contiguous():  # logical order: the view as it is
+def _cell_view(pages: torch.Tensor, view: View, content: int) -> View | None:
+    """``view`` (in a cell's logical offsets ``t * C + c``) in ``pages``' own
+    element strides, or None where a stride is neither whole tokens nor within
+    a token."""
+    if pages.is_contiguous():
         return view
     start, sizes, strides = view
     s_t, s_c = pages.stride(2), pages.stride(3)
@@ -331,17 +246,3 @@ def _cell_view(pages: torch.Tensor, view, content: int):
     if reach >= content:
         return None
     return t0 * s_t + c0 * s_c, sizes, tuple(out)
-
-
-def gather_sequence(kv_cache: torch.Tensor, block_ids: torch.Tensor, length: int,
-                    layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense K and V of one sequence's first ``length`` tokens, each
-    ``[H, length, D]`` (copies): ``block_ids`` int ``[>= ceil(length / N)]``."""
-    bs = layout.block_size
-    nb = max(-(-length // bs), 1)
-    ids = torch.as_tensor(block_ids[:nb], dtype=torch.int64, device=kv_cache.device).view(1, nb)
-    kvh, hd = layout.num_kv_heads, layout.head_size
-    k = torch.empty(1, kvh, nb * bs, hd, dtype=kv_cache.dtype, device=kv_cache.device)
-    v = torch.empty_like(k)
-    gather_pages(kv_cache, ids, layout, k, v)
-    return k[0, :, :length], v[0, :, :length]
