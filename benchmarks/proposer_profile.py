@@ -113,7 +113,7 @@ PARTS = (
     ("planner.step", "QuietBatches", "keep", "QuietBatches.keep", ()),
     ("planner.planner", "Planner", "plan", "Planner.plan", ()),
     ("algo.memory", "SharedMemory", "extend", "SharedMemory.extend", ()),
-    ("algo.memory", "SharedMemory", "lookup_vote", "SharedMemory.lookup_vote", ()),
+    ("algo.memory", "SharedMemory", "lookup", "SharedMemory.lookup", ()),
     ("algo.state", "RequestState", "add_context_ngrams", "add_context_ngrams", ()),
     ("algo.state", "TextIndex", "vote", "TextIndex.vote", ()),
     ("algo.drafting", None, "account", "account", ("proposer",)),
