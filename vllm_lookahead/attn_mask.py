@@ -20,10 +20,9 @@ import numpy as np
 @dataclass(frozen=True)
 class TreeLayout:
     """The read-only layout of one (N, W, g), T nodes: ``parents`` int32 [T]
-    (-1 for the root), ``depth`` int32 [T] (position offset), ``mask`` bool
-    [T, T] (``mask[i, j]``: j is i or its ancestor), ``level_index`` int32
-    [N-1, W] (node of ``B_l[j]``; row 0 the trunk) and ``cand_index`` int32
-    [g, N-1] (node of candidate c's k-th token)."""
+    (root -1), ``depth`` int32 [T], ``mask`` bool [T, T] (j is i or its
+    ancestor), ``level_index`` int32 [N-1, W] (node of ``B_l[j]``, row 0 the
+    trunk), ``cand_index`` int32 [g, N-1] (node of candidate c's k-th token)."""
 
     ngram_size: int
     window_size: int
@@ -45,8 +44,7 @@ class TreeLayout:
 
     @functools.cached_property
     def read_nodes(self) -> np.ndarray:
-        """int64, sorted: the nodes whose argmax a step reads (the root, the
-        newest level, the candidates); the other nodes' logits are not computed."""
+        """int64, sorted: the nodes whose argmax is read (root, newest level, candidates)."""
         nodes = np.concatenate([[0], self.newest_level.ravel(), self.cand_index.ravel()])
         out = np.unique(nodes.astype(np.int64))
         out.setflags(write=False)
@@ -54,7 +52,7 @@ class TreeLayout:
 
 
 def tree_size(ngram_size: int, window_size: int, num_candidates: int) -> int:
-    """Number of nodes of ``build_tree(ngram_size, window_size, num_candidates)``."""
+    """Number of nodes of ``build_tree(...)`` of the same sizes."""
     levels = ngram_size - 1
     return levels * (window_size + num_candidates) if window_size else 1 + levels * num_candidates
 
@@ -95,9 +93,8 @@ def build_tree(ngram_size: int, window_size: int, num_candidates: int) -> TreeLa
 
 def fill_tree_tokens(layout: TreeLayout, root: int, levels: np.ndarray,
                      candidates: np.ndarray) -> np.ndarray:
-    """int32 [T] the token of every node: ``root``, the window's ``levels``
-    (int [N-1, W]: row 0 holds ``L0`` in its first W-1 columns; a tree of
-    w < W columns takes the first w) and the int [g, N-1] ``candidates``."""
+    """int32 [T] node tokens: ``root``, the window's [N-1, W] ``levels`` (row 0
+    ``L0``; w < W columns: the first w), the [g, N-1] ``candidates``."""
     toks = np.empty(layout.num_nodes, dtype=np.int32)
     w = layout.window_size
     toks[0] = root
@@ -110,10 +107,9 @@ def fill_tree_tokens(layout: TreeLayout, root: int, levels: np.ndarray,
 
 
 def fit_budget(trees: list[tuple[int, int, int]], budget: int) -> tuple[bool, int]:
-    """Shrink a step's trees, per request ``(N, W, g)``, to at most ``budget``
-    nodes in all (0: no limit): leave every window out first, then check
-    fewer candidates, one at a time. Returns ``(use_window, max_candidates)``;
-    ``max_candidates == -1``: no tree fits."""
+    """Shrink a step's trees, per request ``(N, W, g)``, to ``budget`` nodes in all
+    (0: no limit): windows out first, then fewer candidates, one at a time.
+    Returns ``(use_window, max_candidates)``, -1: no tree fits."""
 
     def total(use_window: bool, cap: int) -> int:
         return sum(tree_size(n, w if use_window else 0, min(g, cap)) for n, w, g in trees)

@@ -17,17 +17,10 @@ ADDITIONAL_CONFIG_KEY = "lookahead"
 #: ``SchedulerOutput`` attribute carrying the requests left waiting (``patches`` 16).
 WAITING_ATTR = "lookahead_waiting"
 
-_RANGES = {
-    "ngram_size": (2, 16),
-    "window_size": (0, 64),
-    "guess_set_size": (1, 64),
-    "seed": (0, 2**63 - 1),
-    "max_tree_tokens": (0, 1 << 20),
-    "disable_batch_size": (0, 1 << 20),
-    "memory_tokens": (256, 1 << 26),
-    "lookup_len": (0, 64),
-    "seeded_batch": (0, 1 << 20),
-}
+_RANGES = {"ngram_size": (2, 16), "window_size": (0, 64), "guess_set_size": (1, 64),
+           "seed": (0, 2**63 - 1), "max_tree_tokens": (0, 1 << 20), "lookup_len": (0, 64),
+           "disable_batch_size": (0, 1 << 20), "memory_tokens": (256, 1 << 26),
+           "seeded_batch": (0, 1 << 20)}
 _MODES = ("fused", "separate")
 #: ``cost_model`` keywords; any other value is the path of a curve file.
 COST_MODEL_CHOICES = ("auto", "measure", "off")
@@ -132,7 +125,6 @@ def _fail(name: str, what: str, got) -> None:
 #: ``SamplingParams.extra_args`` key of a request's own settings.
 REQUEST_KEY = "lookahead"
 #: Fields a request may lower (never raise above the engine's), and their floors.
-REQUEST_FIELDS = ("ngram_size", "window_size", "guess_set_size", "lookup_len")
 _REQUEST_LOWS = {"ngram_size": 2, "window_size": 0, "guess_set_size": 1, "lookup_len": 0}
 
 
@@ -164,37 +156,31 @@ def request_settings(extra_args: dict[str, Any] | None, engine: LookaheadConfig)
             "shared_memory": engine.shared_memory}
     if not extra_args:
         return RequestSettings(**base)
-    allowed = ["enabled", *REQUEST_FIELDS, "shared_memory"]
-    given: dict[str, Any] = {}
     nested = extra_args.get(REQUEST_KEY)
     if isinstance(nested, bool):
-        given["enabled"] = nested
-    elif isinstance(nested, dict):
-        given.update(nested)
-    elif nested is not None:
+        nested = {"enabled": nested}
+    elif nested is not None and not isinstance(nested, dict):
         raise LookaheadConfigError(
-            f"extra_args['{REQUEST_KEY}'] must be true/false or a dict of {allowed}, got {nested!r}")
+            f"extra_args['{REQUEST_KEY}'] must be true/false or a dict of {list(base)}, "
+            f"got {nested!r}")
     prefix = REQUEST_KEY + "_"
-    for key, value in extra_args.items():
-        if isinstance(key, str) and key.startswith(prefix):
-            given[key[len(prefix):]] = value
-    unknown = sorted(set(given) - set(allowed))
+    given = {**(nested or {}), **{k[len(prefix):]: v for k, v in extra_args.items()
+                                  if isinstance(k, str) and k.startswith(prefix)}}
+    unknown = sorted(set(given) - set(base))
     if unknown:
         raise LookaheadConfigError(
-            f"unknown per-request lookahead setting(s) {unknown} in extra_args; allowed: {allowed}")
-    enabled = _flag(given.pop("enabled", True), "enabled")
-    if "shared_memory" in given:
-        base["shared_memory"] = base["shared_memory"] and _flag(given.pop("shared_memory"),
-                                                                "shared_memory")
+            f"unknown per-request lookahead setting(s) {unknown} in extra_args; allowed: {list(base)}")
     for name, value in given.items():
+        if name in ("enabled", "shared_memory"):
+            base[name] = _flag(value, name) and (name == "enabled" or base[name])
+            continue
         lo, hi = _REQUEST_LOWS[name], base[name]
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
             raise LookaheadConfigError(
                 f"extra_args['{REQUEST_KEY}']['{name}'] must be an integer in [{lo}, {hi}] "
                 f"(a request may lower the engine's {name}={hi}, not raise it), got {value!r}")
         base[name] = value
-    base["enabled"] = enabled
-    if base["window_size"] == 0 and not engine.prompt_pool and enabled:
+    if base["window_size"] == 0 and not engine.prompt_pool and base["enabled"]:
         raise LookaheadConfigError(
             f"extra_args['{REQUEST_KEY}']['window_size'] = 0 needs the engine's "
             "prompt_pool, which is off: nothing would ever be drafted")

@@ -20,8 +20,8 @@ ARMS = ("tree", "pool", "off")
 
 @dataclass
 class LookaheadStats:
-    """Counters of one proposer (one worker rank) since engine start. A
-    "request-step" is one request in one engine step."""
+    """Counters of one proposer (worker rank) since start; a request-step is
+    one request in one engine step."""
 
     decode_steps: int = 0  # request-steps that produced tokens
     generated_tokens: int = 0
@@ -94,12 +94,9 @@ def worker_stats(worker) -> dict | None:
 
     return {**get(),
             "plain_sampler_steps": getattr(worker.model_runner, "lookahead_plain_samples", 0),
-            "verify_top_p_rows": COUNTS.rows,
-            "verify_top_p_fallback_rows": COUNTS.fallback_rows,
-            "verify_tie_rows": COUNTS.tie_rows,
-            "verify_tie_rows_sorted": COUNTS.tie_rows_sorted,
-            "verify_draft_rows": COUNTS.draft_rows,
-            "verify_rows_computed": COUNTS.verified_rows,
+            "verify_top_p_rows": COUNTS.rows, "verify_top_p_fallback_rows": COUNTS.fallback_rows,
+            "verify_tie_rows": COUNTS.tie_rows, "verify_tie_rows_sorted": COUNTS.tie_rows_sorted,
+            "verify_draft_rows": COUNTS.draft_rows, "verify_rows_computed": COUNTS.verified_rows,
             "verify_bonus_rows": COUNTS.bonus_rows,
             "verify_bonus_rows_sampled": COUNTS.bonus_rows_sampled}
 

@@ -1,8 +1,6 @@
-"""What one request's lookahead state does in a step (numpy only, no vLLM).
-
-Building a request's state, booking a step's outcome, the unchecked lookup,
-the candidates a tree checks, and reading a tree that ran: the window's
-harvest and the checked chain. Trees are built in :mod:`.trees`; which request
+"""What one request's lookahead state does in a step (numpy only, no vLLM): its
+state built, a step's outcome booked, the unchecked lookup, a tree's candidates,
+and a tree that ran read (the window's harvest, the checked chain). Which request
 runs what is decided in ``planner/step.py``.
 """
 
@@ -13,18 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_lookahead.attn_mask import TreeLayout
-from vllm_lookahead.algo.state import (
-    SOURCE_MEMORY,
-    SOURCE_MODEL,
-    SOURCE_PROMPT,
-    SOURCE_WINDOW,
-    JacobiWindow,
-    NGramPool,
-    RequestState,
-    choose_candidate,
-    request_seed,
-    suffix_lookup,
-)
+from vllm_lookahead.algo.state import (SOURCE_MEMORY, SOURCE_MODEL, SOURCE_PROMPT,
+                                       SOURCE_WINDOW, JacobiWindow, NGramPool, RequestState,
+                                       choose_candidate, request_seed, suffix_lookup)
 from vllm_lookahead.algo.trees import PlannedTree
 from vllm_lookahead.planner.acceptance import AcceptancePrior, RequestAcceptance, match_kind, pool_kind
 
@@ -40,20 +29,18 @@ class Live:
     chain: list  # fused: the checked chain its last tree left ([]: none)
 
 
-#: A seeded request's prior per-token acceptance of its lookups: its own,
-#: not the engine's running one (which other requests move).
+#: A seeded request's own prior per-token acceptance of its lookups (not the
+#: engine's, which other requests move).
 SEEDED_PRIOR_P = 0.25
-#: Longest own-text match a lookup looks for where lookups run past N
-#: (suffix decoding's tree depth).
+#: Longest own-text match where lookups run past N (suffix decoding's depth).
 LONG_MATCH = 24
 
 
 def new_state(settings, tokens: np.ndarray, n_tok: int, num_prompt_tokens: int,
               max_tokens: int | None, seeded: bool, seed: int,
               prior: AcceptancePrior) -> RequestState:
-    """A request's state when it first decodes: its window drawn from its
-    prompt (``tokens[:num_prompt_tokens]``, at least one token) with a seed
-    of ``seed`` and the prompt; ``settings``: its ``config.RequestSettings``."""
+    """A request's state when it first decodes (``settings``: its
+    ``config.RequestSettings``), its window drawn from its prompt."""
     prompt = tokens[: max(min(num_prompt_tokens, n_tok), 1)]
     window = JacobiWindow.random_init(
         settings.ngram_size, settings.window_size, prompt, request_seed(seed, prompt))
@@ -114,20 +101,18 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
     """
     n = state.settings.ngram_size
     k = min(room if room > 0 else n, max(n, state.settings.lookup_len))
-    long = k > n
     draft, source, matched, agree = [], SOURCE_PROMPT, 0, ""
-    if prompt_pool:
+    if prompt_pool:  # (the cuts to max(n, match) only bite where k > n)
         draft, matched, agree = state.text_index.vote(tokens, n_tok, k,
-                                                      max_len=LONG_MATCH if long else 4)
-        if long:
-            draft = draft[: max(n, matched)]
+                                                      max_len=LONG_MATCH if k > n else 4)
+        draft = draft[: max(n, matched)]
     state.lookup_kind = f"{match_kind('suffix', matched)}{agree}" if draft else "pool"
     reads = memory is not None and state.memory_reads
     if reads:
         mem, m, agree = memory.lookup(state.memory_scope, state.memory_doc, tokens, n_tok, k,
                                       longer_than=matched)
         if mem:
-            draft, source = (mem[: max(n, m)] if long else mem), SOURCE_MEMORY
+            draft, source = mem[: max(n, m)], SOURCE_MEMORY
             state.lookup_kind = f"{match_kind('memory', m)}{agree}"
     if not draft:
         newest = int(tokens[n_tok - 1])
@@ -151,7 +136,7 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
 
 
 def unchecked_draft(state: RequestState, k: int, stats) -> list[int]:
-    """The first ``k`` tokens of this step's lookup, as the step's draft."""
+    """The first ``k`` tokens of this step's lookup as its draft."""
     draft = state.lookup[:k]
     state.draft_sources = state.lookup_sources[: len(draft)]
     state.draft_checked = False

@@ -22,25 +22,19 @@ import numpy as np
 
 from vllm_lookahead.algo.state import MAX_PLACES, MIN_PROB, agreement, vote_draft
 
-#: Key lengths looked up, longest first: long keys name the context, short
-#: ones find phrases (2: where a request's own text has no match at all).
+#: Key lengths, longest first: long keys name the context, short ones phrases.
 KEY_LENS = (12, 6, 3, 2)
 #: Prompt tokens a document starts with (a repeated question finds its answer).
 PROMPT_TAIL = 24
 MIN_DOC_TOKENS = 16
-#: Set-associative tables: n-grams per key token (the default G is 3), and
-#: tokens of capacity per set.
-WAYS = 4
-TOKENS_PER_SET = 32
-
-#: ``SamplingParams.extra_args`` key under which the engine hands a request's
-#: scope (:func:`scope_of` its ``cache_salt``) to the workers.
+#: Set-associative tables: n-grams per key token (G is 3), capacity tokens per set.
+WAYS, TOKENS_PER_SET = 4, 32
+#: ``SamplingParams.extra_args`` key carrying a request's scope to the workers.
 SCOPE_KEY = "_lookahead_memory_scope"
 
 
 def scope_of(cache_salt: str | None) -> int:
-    """A request's scope: a 63-bit digest of its ``cache_salt``, 0 without one
-    (the same in every process, so tensor-parallel ranks agree)."""
+    """A 63-bit digest of a ``cache_salt`` (0: none), the same in every process."""
     if not cache_salt:
         return 0
     d = hashlib.blake2b(str(cache_salt).encode("utf-8"), digest_size=8).digest()
@@ -62,11 +56,8 @@ class _Doc:
 
 
 class SharedMemory:
-    """Text of an engine's requests, looked up by the last tokens of another.
-
-    ``capacity``: most tokens held (>= 256); ``delay``: a place is indexed once
-    this many tokens follow it (the longest draft asked for, N).
-    """
+    """Text of an engine's requests: ``capacity`` tokens at most (>= 256); a
+    place is indexed once ``delay`` tokens (the longest draft asked, N) follow it."""
 
     def __init__(self, capacity: int, delay: int = 4, min_prob: float = MIN_PROB) -> None:
         if capacity < 256:
@@ -88,7 +79,7 @@ class SharedMemory:
         slots, ways = self._mask + 1, (self._hmask + 1) * WAYS
         self._doc = tuple(array("i", [-1]) * slots for _ in KEY_LENS)
         self._pos = tuple(array("i", [0]) * slots for _ in KEY_LENS)
-        # per table (harvest, followers): a (scope, key) tag per way, 0 empty, and its n-gram
+        # harvest and followers: a (scope, key) tag per way (0: empty), its n-gram
         self._htag, self._ftag = array("q", [0]) * ways, array("q", [0]) * ways
         self._hgram, self._fgram = (array("i", [0]) * (ways * self._gram) for _ in "hf")
         self._docs.clear()
@@ -136,8 +127,7 @@ class SharedMemory:
             self.harvested += 1
 
     def _push(self, tags, grams, scope: int, key: int, cont) -> None:
-        """``key -> cont`` to the front of its set in a table; the oldest leaves
-        (or the same n-gram further back moves up)."""
+        """``key -> cont`` to the front of its set (from where it was, or the oldest leaves)."""
         tag, base = self._set(scope, key)
         g, cont, at = self._gram, list(cont), WAYS - 1
         held = tags[base : base + WAYS]
@@ -182,7 +172,7 @@ class SharedMemory:
                 docs[slot], poss[slot] = doc_id, j
         doc.indexed = upto + 1
 
-    def _evict(self) -> None:
+    def _evict(self) -> None:  # the oldest documents, while past a bound
         while self._docs and (self.tokens > self.capacity or len(self._docs) > self.max_docs):
             self.tokens -= self._docs.popitem(last=False)[1].n
             self.evicted += 1
@@ -226,7 +216,7 @@ class SharedMemory:
     def _places(self, t: int, doc_id: int, j: int, scope: int, own: int | None,
                 key: list[int], k: int) -> list[list[int]]:
         """Up to ``k`` tokens after each of the newest places of ``key`` along the
-        slot's chain, newest first; collisions, other scopes and ``own`` skipped."""
+        slot's chain; collisions, other scopes and ``own`` skipped."""
         m, out, hops = len(key), [], 0
         while doc_id >= 0 and len(out) < MAX_PLACES and hops < 4 * MAX_PLACES:
             hops += 1

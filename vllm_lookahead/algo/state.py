@@ -1,8 +1,4 @@
-"""Per-request lookahead state: the n-gram pool, the Jacobi window, the lookups.
-
-Pure logic (numpy only); ``proposer.py`` keeps one :class:`RequestState` per
-request id.
-"""
+"""Per-request lookahead state (n-gram pool, Jacobi window) and the text lookups; numpy only."""
 
 from __future__ import annotations
 
@@ -29,12 +25,9 @@ SAMPLES_KEY = "_lookahead_samples"
 
 
 class NGramPool:
-    """Key token -> at most ``cap`` continuations of N-1 tokens, in LRU order.
-
-    Adding a present continuation makes it the newest and bumps its count;
-    a new one pushes the oldest out of a full list. A continuation keeps the
-    source it was first added with.
-    """
+    """Key token -> at most ``cap`` continuations of N-1 tokens, in LRU order:
+    adding a present one makes it the newest and bumps its count (its source
+    stays the first); a new one pushes the oldest out of a full list."""
 
     __slots__ = ("cap", "_d")
 
@@ -46,9 +39,7 @@ class NGramPool:
         self._d: dict[int, OrderedDict[tuple[int, ...], list]] = {}
 
     def add(self, key: int, cont: tuple[int, ...], source: str) -> None:
-        entries = self._d.get(key)
-        if entries is None:
-            entries = self._d[key] = OrderedDict()
+        entries = self._d.get(key) or self._d.setdefault(key, OrderedDict())  # never empty
         entry = entries.get(cont)
         if entry is not None:
             entry[0] += 1
@@ -65,18 +56,14 @@ class NGramPool:
     def count(self, key: int) -> int:
         return len(self._d.get(key, ()))
 
-    def __len__(self) -> int:
+    def __len__(self) -> int:  # continuations over all keys
         return sum(len(e) for e in self._d.values())
 
 
 class JacobiWindow:
-    """The N-1 levels of Jacobi guesses of one request.
-
-    ``levels``: int32 [N-1, W]. Row 0 is level 0 (its first W-1 columns, with
-    the root in front, form the trunk ``B0``); rows 1..N-2 are levels 1..N-2.
-    ``steps`` counts Jacobi steps; the levels come from the model (``warm``)
-    once ``steps >= N-2``.
-    """
+    """The Jacobi guesses of one request: ``levels`` int32 [N-1, W], row 0 level
+    0 (its first W-1 columns, after the root, form the trunk ``B0``), rows
+    1..N-2 levels 1..N-2; ``warm`` (from the model) after N-2 ``steps``."""
 
     __slots__ = ("n", "w", "levels", "steps")
 
@@ -123,23 +110,20 @@ class JacobiWindow:
 
 
 def sibling_group(req_id: str) -> str | None:
-    """The parent id of one of a request's n samples (vLLM names them
-    ``"{index}_{parent id}"``); None for any other id."""
+    """The parent id of one of n samples (``"{index}_{parent id}"``), else None."""
     head, sep, parent = req_id.partition("_")
     return parent if sep and head.isdigit() and parent else None
 
 
 def request_seed(base_seed: int, prompt_token_ids: np.ndarray) -> int:
-    """A request's window seed, from the base seed and its prompt only (so
-    every tensor-parallel rank and every rerun agrees)."""
+    """A request's window seed, from its prompt only: every TP rank agrees."""
     data = np.asarray(prompt_token_ids, dtype=np.int32).tobytes()
     return (zlib.crc32(data) ^ (base_seed * 0x9E3779B1)) & 0xFFFFFFFF
 
 
 @dataclass
 class RequestState:
-    """Everything lookahead keeps for one request (the ``object`` fields are
-    owned and documented by the planner and proposer)."""
+    """Everything lookahead keeps for one request."""
 
     window: JacobiWindow
     pool: NGramPool
@@ -151,9 +135,8 @@ class RequestState:
     pooled_upto: int = 0  # tokens whose n-grams are in the pool
     settings: object = None  # config.RequestSettings
     plan: object = None  # fused: the tree planned for its next step
-    #: The draft handed to the verifier last step: its sources per token,
-    #: whether a tree checked it, its kind for the stats, and the tokens the
-    #: planner expected accepted (None: not planned so).
+    #: Last step's draft: sources per token, whether a tree checked it, its
+    #: kind (stats), the tokens the planner expected accepted (None: unplanned).
     draft_sources: list[str] = field(default_factory=list)
     draft_checked: bool = False
     draft_kind: str = ""
@@ -167,8 +150,8 @@ class RequestState:
     seeded_batch: int = 1  # the batch a seeded draft is priced in
     sampled: bool = False  # temperature > 0
     lazy_bonus: bool = False  # its bonus rows may be sampled lazily
-    #: Its document in the shared memory (None: not in it), whether it drafts
-    #: from it, its scope (``memory.scope_of``) and tokens the memory has.
+    #: Its shared-memory document (None: none), whether it drafts from the
+    #: memory, its scope (``memory.scope_of``) and tokens the memory has.
     memory_doc: int | None = None
     memory_reads: bool = False
     memory_scope: int = 0
@@ -227,9 +210,9 @@ def vote_draft(conts: list[list[int]], k: int, min_prob: float = MIN_PROB) -> li
         for c in agree:
             if d < len(c):
                 votes[c[d]] = votes.get(c[d], 0) + 1
-        if not votes or max(votes.values()) < need:
+        best = max(votes.values(), default=0)
+        if not best or best < need:
             break
-        best = max(votes.values())
         tok = next(c[d] for c in agree if d < len(c) and votes[c[d]] == best)
         out.append(tok)
         agree = [c for c in agree if d < len(c) and c[d] == tok]

@@ -1,15 +1,9 @@
 """A request's lookahead tree for one step: nodes, tokens, positions (numpy only).
 
-:func:`plan_trees` builds every tree, rooted at
-
-* **fused**: ``y``, the model's prediction after the checked draft, right after
-  the draft; it rides in the next step's forward and holds iff vLLM samples
-  ``draft + [y]`` (:attr:`PlannedTree.expect`);
-* **fused catch-up** (no checked chain): the newest token, riding beside vLLM's
-  own row of it in the same step;
-* **separate pass**: the newest token, in an extra forward right away.
-
-A step's trees share ``max_tree_tokens`` (:func:`~vllm_lookahead.attn_mask.fit_budget`).
+Rooted, in fused mode, at ``y``, the model's prediction after the checked draft
+(it rides in the next step's forward and holds iff vLLM samples ``draft + [y]``);
+in a fused catch-up (no checked chain) at the newest token, beside vLLM's own row
+of it; in separate mode at the newest token, in an extra forward.
 """
 
 from __future__ import annotations
@@ -23,11 +17,10 @@ from vllm_lookahead.attn_mask import TreeLayout, build_tree, fill_tree_tokens, f
 
 @dataclass
 class TreeAsk:
-    """The tree one request would like this step: ``window`` columns (0:
-    none), ``cands`` as ``(continuation, count, source)`` (N-1 tokens; from
-    ``drafting.candidates``), the root token at ``root_pos`` (the tree reads
-    ``root_pos`` cached tokens), the window's int32 [N-1, W] ``levels``, and
-    for fused mode ``expect`` (``draft + [root]``) or ``catch_up``."""
+    """The tree a request would like: ``window`` columns (0: none), ``cands``
+    ``(continuation, count, source)``, the root token at ``root_pos``, the
+    window's int32 [N-1, W] ``levels``; fused: ``expect`` (``draft + [root]``)
+    or ``catch_up``."""
 
     ngram_size: int
     window: int
@@ -41,10 +34,8 @@ class TreeAsk:
 
 @dataclass
 class PlannedTree:
-    """A request's tree for a step: its ``layout`` (node 0 the root), the
-    ``cands`` it checks (cut to the budget), int32 ``tokens`` and int64
-    ``positions`` [T], whether the ``window`` is in it, and ``expect`` /
-    ``catch_up`` as in :class:`TreeAsk`."""
+    """A request's tree for a step: ``layout``, the ``cands`` it checks, int32
+    ``tokens`` and int64 ``positions`` [T], whether the ``window`` is in it."""
 
     layout: TreeLayout
     cands: list
@@ -58,17 +49,15 @@ class PlannedTree:
 
     @property
     def num_scheduled(self) -> int | None:
-        """Fused: tokens vLLM must schedule for the request (1 + draft); None
-        for a catch-up tree (any count)."""
+        """Fused: tokens vLLM must schedule (1 + draft); None for a catch-up tree."""
         return None if self.catch_up else len(self.expect)
 
 
 def plan_trees(asks: list[TreeAsk], max_tree_tokens: int,
                max_model_len: int) -> tuple[list[PlannedTree | None], bool]:
-    """The step's trees fitted to ``max_tree_tokens`` (0: no limit) together:
-    per ask its tree, or None where the budget leaves it neither window nor
-    candidates or its deepest node would reach ``max_model_len``; and whether
-    the windows were kept."""
+    """The step's trees fitted to ``max_tree_tokens`` together (``fit_budget``):
+    per ask its tree, or None where the budget leaves it nothing or it would
+    reach ``max_model_len``; and whether the windows were kept."""
     use_window, cap = fit_budget([(a.ngram_size, a.window, len(a.cands)) for a in asks],
                                  max_tree_tokens)
     return [_build(a, use_window, cap, max_model_len) for a in asks], use_window
