@@ -19,19 +19,16 @@ import numpy as np
 
 @dataclass(frozen=True)
 class TreeLayout:
-    """The read-only layout of one (N, W, g), T nodes: ``parents`` int32 [T]
-    (root -1), ``depth`` int32 [T], ``mask`` bool [T, T] (j is i or its
-    ancestor), ``level_index`` int32 [N-1, W] (node of ``B_l[j]``, row 0 the
-    trunk), ``cand_index`` int32 [g, N-1] (node of candidate c's k-th token)."""
+    """The read-only layout of one (N, W, g); T nodes."""
 
     ngram_size: int
     window_size: int
     num_candidates: int
-    parents: np.ndarray
-    depth: np.ndarray
-    mask: np.ndarray
-    level_index: np.ndarray
-    cand_index: np.ndarray
+    parents: np.ndarray  # int32 [T], -1 for the root
+    depth: np.ndarray  # int32 [T], position offset from the root
+    mask: np.ndarray  # bool [T, T]: mask[i, j] iff j is i or an ancestor of i
+    level_index: np.ndarray  # int32 [N-1, W]: node of B_l[j] (row 0: the trunk)
+    cand_index: np.ndarray  # int32 [g, N-1]: node of candidate c's k-th token
 
     @property
     def num_nodes(self) -> int:
@@ -80,12 +77,9 @@ def build_tree(ngram_size: int, window_size: int, num_candidates: int) -> TreeLa
         for k in range(levels):
             cand_index[c, k], parents[nxt], depth[nxt] = nxt, cand_index[c, k - 1] if k else 0, k + 1
             nxt += 1
-    mask = np.zeros((total, total), dtype=bool)
-    for i in range(total):
-        j = i
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
+    mask = np.eye(total, dtype=bool)
+    for i in range(1, total):  # a parent precedes its children
+        mask[i] |= mask[parents[i]]
     for arr in (parents, depth, mask, level_index, cand_index):
         arr.setflags(write=False)
     return TreeLayout(n, w, g, parents, depth, mask, level_index, cand_index)

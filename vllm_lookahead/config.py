@@ -32,41 +32,26 @@ class LookaheadConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LookaheadConfig:
-    """Settings of lookahead decoding (Fu et al., ICML 2024).
+    """Settings of lookahead decoding (Fu et al., ICML 2024); README, "Settings"."""
 
-    N (``ngram_size``), W (``window_size``, 0: no Jacobi branch, needs
-    ``prompt_pool``) and G (``guess_set_size``) bound the trees; the planner
-    (``adaptive``) picks each request's draft and tree within them from the
-    step cost (``cost_model``: auto, measure, off or a file;
-    ``learn_step_cost``: True, False or "auto") and the measured acceptance.
-    ``mode``: "fused" (the tree rides in vLLM's forward) or "separate" (an
-    extra forward). ``max_tree_tokens``: tree tokens per step (0: no limit);
-    ``disable_batch_size``: a batch this large runs vanilla (None/0: never).
-    ``shared_memory`` / ``memory_tokens``: the memory of all requests' text.
-    ``lookup_len``: the longest unchecked draft (0: N). ``parent_latency`` /
-    ``batch_end``: plan n samples / a closed batch for its end.
-    ``min_draft_p``: cut an unchecked draft where ``p^k`` falls below it (0: off).
-    ``seeded_batch``: the batch a seeded request's draft is priced in (0: its n).
-    """
-
-    ngram_size: int = 4
-    window_size: int = 3
-    guess_set_size: int = 3
-    prompt_pool: bool = True
-    seed: int = 0
-    mode: str = "fused"
-    max_tree_tokens: int = 0
-    disable_batch_size: int | None = None
-    adaptive: bool = True
-    cost_model: str = "auto"
-    shared_memory: bool = True
-    memory_tokens: int = 131072
-    lookup_len: int = 0
-    parent_latency: bool = True
-    batch_end: bool = False
-    learn_step_cost: bool | str = "auto"
-    min_draft_p: float = 0.0
-    seeded_batch: int = 0
+    ngram_size: int = 4  # N: n-gram length (the window has N-1 levels)
+    window_size: int = 3  # W: Jacobi columns (0: none, needs prompt_pool)
+    guess_set_size: int = 3  # G: candidates kept per key token and checked
+    prompt_pool: bool = True  # the pool also holds the request's own n-grams
+    seed: int = 0  # base seed of the windows (mixed with the prompt)
+    mode: str = "fused"  # the tree in vLLM's forward, or "separate": an extra one
+    max_tree_tokens: int = 0  # tree tokens per step (0: no limit)
+    disable_batch_size: int | None = None  # a batch this large runs vanilla (None/0: never)
+    adaptive: bool = True  # the planner picks each draft and tree (False: full trees)
+    cost_model: str = "auto"  # the step-cost curve: auto, measure, off or a file
+    shared_memory: bool = True  # draft from the engine's requests' text
+    memory_tokens: int = 131072  # its capacity
+    lookup_len: int = 0  # the longest unchecked draft (0: N)
+    parent_latency: bool = True  # plan n samples for the parent's end
+    batch_end: bool = False  # plan a closed batch for its end
+    learn_step_cost: bool | str = "auto"  # learn draft costs from steps ("auto": 8+ requests)
+    min_draft_p: float = 0.0  # cut an unchecked draft where p^k falls below (0: off)
+    seeded_batch: int = 0  # the batch a seeded draft is priced in (0: its n)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -1,10 +1,5 @@
-"""How a user's ``speculative_config`` selects lookahead (pure Python, no vLLM).
-
-``{"method": "lookahead", "ngram_size": 4, ...}``, or any spelling vLLM takes
-for a method (:func:`is_lookahead`, :func:`merge_spec_flags`);
-:func:`split_speculative_config` validates our keys into a
-:class:`~vllm_lookahead.config.LookaheadConfig` and passes vLLM's on.
-"""
+"""How a user's ``speculative_config`` selects lookahead (pure Python, no vLLM):
+any spelling vLLM takes for a method; our keys become a ``LookaheadConfig``."""
 
 from __future__ import annotations
 
@@ -33,10 +28,8 @@ PASSTHROUGH_KEYS = frozenset({"num_speculative_tokens", "num_speculative_tokens_
 
 @dataclass
 class SplitConfig:
-    """Our settings and the keyword arguments for vLLM's ``SpeculativeConfig``."""
-
     lookahead: LookaheadConfig
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # for vLLM's SpeculativeConfig
 
 
 def _underscored(spec: dict[str, Any]) -> dict[str, Any]:
@@ -45,10 +38,8 @@ def _underscored(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def is_lookahead(spec: Any) -> bool:
-    """Whether a (merged) ``speculative_config`` selects lookahead: by its
-    ``method``, or by its ``model`` without a method. Raises
-    :class:`LookaheadConfigError` where the model names lookahead and the
-    method another."""
+    """Whether a (merged) ``speculative_config`` selects lookahead, by its
+    ``method`` or by its ``model`` alone (an error where they disagree)."""
     if not isinstance(spec, dict):
         return False
     spec = _underscored(spec)
@@ -63,11 +54,9 @@ def is_lookahead(spec: Any) -> bool:
 
 
 def merge_spec_flags(spec: Any, args: Any) -> tuple[Any, dict[str, str]]:
-    """``speculative_config`` with the shorthand flags of ``args``
-    (``EngineArgs``) merged in as vLLM 0.32 merges them, ``args`` untouched.
-    Returns the merged dict (None when nothing is set) and, per key from a
-    flag, the flag's name. Raises ``ValueError`` (vLLM's "... are mutually
-    exclusive") where a flag and the same key are both given."""
+    """``spec`` with the flags of ``args`` (``EngineArgs``) merged in as vLLM
+    0.32 does (``args`` untouched), and per key from a flag its name. A flag
+    and the same key: vLLM's ``ValueError`` ("... are mutually exclusive")."""
     merged = dict(spec) if isinstance(spec, dict) else spec
     names: dict[str, str] = {}
     for flag, key, attr in SPEC_FLAGS:
@@ -85,10 +74,9 @@ def merge_spec_flags(spec: Any, args: Any) -> tuple[Any, dict[str, str]]:
 
 def split_speculative_config(spec: dict[str, Any],
                              names: dict[str, str] | None = None) -> SplitConfig:
-    """Validate a ``speculative_config`` that selects lookahead into our
-    settings and vLLM's ``SpeculativeConfig`` kwargs (``method="custom_class"``,
-    our proposer). ``names``: how the user spelled keys that came from flags,
-    for messages. Raises :class:`LookaheadConfigError` naming the field."""
+    """Our settings and vLLM's ``SpeculativeConfig`` kwargs (our proposer as
+    its ``custom_class``) of a lookahead ``spec``; ``names``: the flags keys
+    came from, for messages (:class:`LookaheadConfigError` names the field)."""
     spec = _underscored(spec)
     names = names or {}
 

@@ -52,16 +52,14 @@ def new_state(settings, tokens: np.ndarray, n_tok: int, num_prompt_tokens: int,
 
 
 def account(state: RequestState, stats, sampled: list[int], num_tokens: int) -> None:
-    """Book last step's draft into ``stats`` (``LookaheadStats``) and learn the
-    acceptance of its checked draft and of its unchecked lookup (from the
-    text, whatever was drafted). ``sampled``: the tokens vLLM sampled, the
-    last one its own; ``num_tokens``: the request's tokens with them. Tokens
-    past ``max_tokens`` (dropped by vLLM) are not counted as generated."""
+    """Book last step's draft into ``stats`` and learn the acceptance of its
+    checked draft and of its lookup (drafted or not). ``sampled``: the tokens
+    vLLM sampled (the last its own); ``num_tokens``: the request's, with them."""
     n = len(sampled)
     stats.decode_steps += 1
     useful = n
     if state.max_tokens is not None:
-        before = num_tokens - n - state.num_prompt_tokens
+        before = num_tokens - n - state.num_prompt_tokens  # vLLM drops tokens past the cap
         useful = max(0, min(n, state.max_tokens - before))
     stats.generated_tokens += useful
     sources = state.draft_sources
@@ -86,18 +84,13 @@ def account(state: RequestState, stats, sampled: list[int], num_tokens: int) -> 
 
 def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
            prompt_pool: bool, memory=None) -> list[int]:
-    """The unchecked draft of ``tokens[:n_tok]``: at most ``room`` (N where
-    there is none, to keep learning) and ``max(N, lookup_len)`` tokens.
-
-    In order: the continuation of the text's longest earlier-seen suffix
-    (2-4 tokens, up to :data:`LONG_MATCH` where drafts run past N; with
-    ``prompt_pool``), unless the shared ``memory`` matches a longer key; past
-    N a match's draft is cut to ``max(N, its length)``. Else the pool's most
-    seen, then newest, continuation of the newest token; else what followed
-    that token in the memory's text (``memory1``), else a window n-gram
-    another request produced for it. Sets ``state.lookup_sources`` and
-    ``state.lookup_kind`` (``"suffix3+"``, ``"memory6-"``, ``"pool"``, ...:
-    ``acceptance.match_kind``, ``pool_kind``).
+    """The unchecked draft of ``tokens[:n_tok]``, at most ``room`` (N without
+    room, to keep learning) and ``max(N, lookup_len)`` tokens: the voted
+    continuation of its longest earlier-seen suffix (2-4 tokens, up to
+    :data:`LONG_MATCH` past N) unless the ``memory`` matches a longer one (a
+    match drafts at most ``max(N, its length)``); else the pool's most seen
+    continuation of the newest token, the memory's ``followers``, a window
+    n-gram of another request. Sets ``state.lookup_sources`` and ``lookup_kind``.
     """
     n = state.settings.ngram_size
     k = min(room if room > 0 else n, max(n, state.settings.lookup_len))
@@ -146,12 +139,10 @@ def unchecked_draft(state: RequestState, k: int, stats) -> list[int]:
 
 def candidates(state: RequestState, text: np.ndarray, prompt_pool: bool,
                memory=None) -> list:
-    """The ``(continuation, count, source)`` candidates (N-1 tokens) a tree
-    rooted at ``text[-1]`` checks: the pool's, newest first, at most G, led
-    by the continuation of the text's longest earlier 2-4 token suffix
-    (``prompt_pool``) and before it the memory's, where new; then, while
-    fewer than G, window n-grams other requests produced for the root.
-    ``text``: int [n] the request's text up to and with the root."""
+    """The ``(continuation, count, source)`` candidates (N-1 tokens, at most G) a
+    tree rooted at ``text[-1]`` checks: the pool's, newest first, led by the
+    memory's and the own text's continuations where new, then other requests'
+    window n-grams for the root. ``text``: int [n], up to and with the root."""
     g, n = state.settings.guess_set_size, state.settings.ngram_size
     cands = state.pool.get(int(text[-1]))[:g]
     reads = memory is not None and state.memory_reads
@@ -175,9 +166,8 @@ def candidates(state: RequestState, text: np.ndarray, prompt_pool: bool,
 
 def jacobi_step(state: RequestState, layout: TreeLayout, root: int, pred: np.ndarray,
                 memory=None) -> None:
-    """Harvest the window's column n-grams into the pool (and the shared
-    ``memory`` where the request feeds it), then shift the window.
-    ``pred``: int [T] the model's argmax at every node of the tree."""
+    """Harvest the window's n-grams into the pool (and ``memory``), then shift
+    it. ``pred``: int [T] the model's argmax at every node of the tree."""
     window = state.window
     new = pred[layout.newest_level]
     if window.warm:
@@ -191,10 +181,9 @@ def jacobi_step(state: RequestState, layout: TreeLayout, root: int, pred: np.nda
 
 def best_confirmed(state: RequestState, layout: TreeLayout, cands,
                    pred: np.ndarray) -> list[int]:
-    """A tree's checked chain: the candidate with the longest prefix the
-    argmax confirms (``pred[0]`` follows the root, ``pred[node]`` the node;
-    ties: most seen, then newest), then the argmax after it; at least one
-    token. Learns the tree's acceptance; sets ``state.draft_sources``."""
+    """A tree's checked chain: the candidate prefix the argmax confirms (ties:
+    ``choose_candidate``), then the argmax after it (``pred[0]`` follows the
+    root). Learns the tree's acceptance; sets ``state.draft_sources``."""
     matches = []
     for c, (cont, _, _) in enumerate(cands):
         nodes, m, expect = layout.cand_index[c], 0, int(pred[0])
@@ -226,9 +215,8 @@ def read_tree(state: RequestState, tree: PlannedTree, pred: np.ndarray,
 
 def harvest(state: RequestState, plan: PlannedTree, pred: np.ndarray,
             sampled: list[int], memory=None) -> list[int]:
-    """Fused mode: the checked chain of the tree that rode in this step's
-    forward ([] where vLLM did not sample ``plan.expect``, the text it rested
-    on). A catch-up tree is read whatever vLLM sampled; its chain holds past
+    """Fused: the checked chain of the tree in this step's forward ([] where
+    vLLM did not sample ``plan.expect``); a catch-up tree's chain holds past
     the sampled tokens where it runs along them."""
     if plan.catch_up:
         chain = read_tree(state, plan, pred, memory)

@@ -1,15 +1,11 @@
 """A token memory shared by an engine's requests (n samples, repeated questions, templates).
 
-Documents: per request the last :data:`PROMPT_TAIL` prompt tokens and what it
-accepted since, at most ``capacity`` tokens and ``capacity // MIN_DOC_TOKENS``
-documents in all, the oldest evicted first. Index: per key length in
-:data:`KEY_LENS` a direct-mapped table ``hash(scope, key) -> (doc, pos)`` of the
-newest place followed by ``delay`` tokens, each place linking to the slot's
-previous holder (a chain, newest first; collisions are checked on read). Two
-set-associative tables, newest first per key token: n-grams the Jacobi windows
-produced (``ngrams``) and what followed each token in the text (``followers``).
-A lookup only returns text of its own scope (a digest of vLLM's ``cache_salt``),
-never of the asking document. Python ``array``s: per-scalar access beats numpy.
+Documents (a request's prompt tail and accepted text; the oldest evicted first)
+are indexed per key length in :data:`KEY_LENS` by a direct-mapped table
+``hash(scope, key) -> (doc, pos)``, each place chained to the slot's previous
+holder; two set-associative tables keep the windows' n-grams and what followed
+each token. A lookup returns text of its own scope (a digest of ``cache_salt``)
+only, never the asker's. Python ``array``s: per-scalar access beats numpy.
 """
 
 from __future__ import annotations
@@ -47,8 +43,7 @@ class _Doc:
     def __init__(self, scope: int) -> None:
         self.scope = scope
         self.tokens = array("i")
-        #: per key length, per place j < indexed: the slot's previous holder
-        #: (``doc << 32 | pos``, -1: none); place 0 is never a key's end
+        # per key length and place: the slot's previous holder (doc << 32 | pos, -1: none)
         self.prev = tuple(array("q", [-1]) for _ in KEY_LENS)
         self.n = 0
         self.indexed = 0  # places j < indexed have their keys in the tables
@@ -86,12 +81,10 @@ class SharedMemory:
         self.tokens = 0  # held over all documents
         self.harvested = 0  # n-grams added since start or the last clear
 
-    # -- writing -----------------------------------------------------------
     def open(self, scope: int, prompt: np.ndarray) -> int:
-        """A new document, starting with ``prompt``'s last :data:`PROMPT_TAIL`
-        tokens. Returns its id (they wrap at 2^31: int32 tables)."""
+        """A new document of ``prompt``'s last :data:`PROMPT_TAIL` tokens; its id."""
         doc_id = self._next_id
-        self._next_id = (doc_id + 1) & 0x7FFFFFFF
+        self._next_id = (doc_id + 1) & 0x7FFFFFFF  # int32 tables
         self._docs[doc_id] = _Doc(scope)
         self._evict()
         self.extend(doc_id, np.asarray(prompt)[-PROMPT_TAIL:])
@@ -120,8 +113,7 @@ class SharedMemory:
             self._index(doc_id, doc, doc.n - 1)
 
     def add_ngram(self, scope: int, key: int, cont) -> None:
-        """An n-gram a Jacobi window produced (``cont``: ``delay - 1`` tokens,
-        others ignored), the newest of its key's set."""
+        """An n-gram a Jacobi window produced (``delay - 1`` tokens after ``key``)."""
         if len(cont) == self._gram:
             self._push(self._htag, self._hgram, scope, key, cont)
             self.harvested += 1
@@ -148,8 +140,7 @@ class SharedMemory:
                 (hash((scope, int(key))) & self._hmask) * WAYS)
 
     def _index(self, doc_id: int, doc: _Doc, upto: int) -> None:
-        """Index places ``doc.indexed .. upto`` (place j: key ``tokens[j-m:j]``)
-        and feed the followers table."""
+        """Index places ``doc.indexed .. upto`` (j: key ``tokens[j-m:j]``), feed the followers."""
         start = max(doc.indexed, 1)
         if upto < start:
             return
@@ -177,7 +168,6 @@ class SharedMemory:
             self.tokens -= self._docs.popitem(last=False)[1].n
             self.evicted += 1
 
-    # -- reading -----------------------------------------------------------
     def ngrams(self, scope: int, key: int) -> list[tuple[int, ...]]:
         """Continuations the windows of ``scope``'s requests produced for ``key``."""
         return self._read(self._htag, self._hgram, scope, key)
@@ -193,11 +183,9 @@ class SharedMemory:
 
     def lookup(self, scope: int, own: int | None, text: np.ndarray, n: int, k: int,
                longer_than: int = 0) -> tuple[list[int], int, str]:
-        """What followed the longest key (:data:`KEY_LENS`, only those longer
-        than ``longer_than``) ending ``text[:n]`` in ``scope``'s documents other
-        than ``own``: the draft its newest :data:`MAX_PLACES` places vote for
-        (:func:`~.state.vote_draft`, at most ``k`` tokens), the key's length and
-        the places' :func:`~.state.agreement`; ``([], 0, "")`` for none."""
+        """What followed the longest key (longer than ``longer_than``) ending
+        ``text[:n]`` in ``scope``'s documents but ``own``: the ``k``-token draft
+        its newest places vote for, the key's length and their agreement."""
         if k <= 0:
             return [], 0, ""
         for t, m in enumerate(KEY_LENS):

@@ -50,7 +50,7 @@ class NGramPool:
             entries.popitem(last=False)
 
     def get(self, key: int) -> list[tuple[tuple[int, ...], int, str]]:
-        """Continuations of ``key``, newest first, as (tokens, count, source)."""
+        """(continuation, count, source) of ``key``, newest first."""
         return [(c, e[0], e[1]) for c, e in reversed(self._d.get(key, {}).items())]
 
     def count(self, key: int) -> int:
@@ -74,13 +74,12 @@ class JacobiWindow:
     @classmethod
     def random_init(cls, ngram_size: int, window_size: int, context: np.ndarray,
                     seed: int) -> "JacobiWindow":
-        """Every level filled with tokens drawn from ``context`` (LADE's init)."""
+        """Every level drawn from ``context`` (LADE's init; zeros without one)."""
         context = np.asarray(context, dtype=np.int32)
         size = (ngram_size - 1) * window_size
-        if context.size == 0:
-            return cls(ngram_size, window_size, np.zeros(size, dtype=np.int32))
         rng = np.random.default_rng(seed)
-        return cls(ngram_size, window_size, context[rng.integers(0, context.size, size=size)])
+        init = context[rng.integers(0, context.size, size=size)] if context.size else np.zeros(size)
+        return cls(ngram_size, window_size, init)
 
     @property
     def warm(self) -> bool:
@@ -169,15 +168,14 @@ class RequestState:
 
 
 def choose_candidate(matches: list[int], counts: list[int]) -> int:
-    """Index of the best candidate (they come newest first): the longest
-    confirmed prefix, then the most often seen, then the newest; -1 for none."""
+    """The best candidate (newest first): longest confirmed prefix, most seen,
+    newest; -1 for none."""
     return max(range(len(matches)), key=lambda i: (matches[i], counts[i], -i), default=-1)
 
 
 def suffix_lookup(tokens: np.ndarray, n: int, k: int, max_len: int = 4) -> list[int]:
-    """Prompt lookup with a multi-token key: the ``k`` tokens after the most
-    recent earlier occurrence of the longest suffix (``max_len`` down to 2
-    tokens) of ``tokens[:n]``, or ``[]``. Numpy, O(n)."""
+    """The ``k`` tokens after the newest earlier place of ``tokens[:n]``'s longest
+    suffix seen before (``max_len`` down to 2 tokens), or ``[]``. Numpy, O(n)."""
     if k <= 0 or n < 3:
         return []
     t = np.asarray(tokens[:n])
@@ -220,19 +218,16 @@ def vote_draft(conts: list[list[int]], k: int, min_prob: float = MIN_PROB) -> li
 
 
 def agreement(conts: list[list[int]], draft: list[int]) -> str:
-    """How the places a draft was voted from agree on its first token:
-    ``""`` one place (or no draft), ``"+"`` all of two or more, ``"-"`` some
-    place continues otherwise. The planner weighs a lookup's estimate by it
-    (``acceptance.AcceptancePrior.agreement_factor``)."""
+    """How the places a draft was voted from agree on its first token: ``""``
+    one place (or no draft), ``"+"`` all of two or more, ``"-"`` not all."""
     if len(conts) < 2 or not draft:
         return ""
     return "+" if all(c and c[0] == draft[0] for c in conts) else "-"
 
 
 class TextIndex:
-    """A request's own text, indexed as it grows: ``ends[(a, b)]`` lists the
-    positions e (ascending) with ``toks[e-1:e+1] == [a, b]``, so a lookup
-    reads one dict entry instead of scanning the whole text each step."""
+    """A request's own text indexed as it grows (``ends[(a, b)]``: ascending e with
+    ``toks[e-1:e+1] == [a, b]``): a lookup reads a dict entry, not the text."""
 
     __slots__ = ("toks", "ends")
 

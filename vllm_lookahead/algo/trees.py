@@ -17,33 +17,29 @@ from vllm_lookahead.attn_mask import TreeLayout, build_tree, fill_tree_tokens, f
 
 @dataclass
 class TreeAsk:
-    """The tree a request would like: ``window`` columns (0: none), ``cands``
-    ``(continuation, count, source)``, the root token at ``root_pos``, the
-    window's int32 [N-1, W] ``levels``; fused: ``expect`` (``draft + [root]``)
-    or ``catch_up``."""
+    """The tree a request would like this step."""
 
     ngram_size: int
-    window: int
-    cands: list
+    window: int  # window columns (0: none)
+    cands: list  # (continuation, count, source), N-1 tokens each
     root: int
-    root_pos: int
-    levels: np.ndarray
-    expect: list = field(default_factory=list)
-    catch_up: bool = False
+    root_pos: int  # the tree reads root_pos cached tokens
+    levels: np.ndarray  # int32 [N-1, W] the window
+    expect: list = field(default_factory=list)  # fused: draft + [root]
+    catch_up: bool = False  # fused: rooted at the newest token, beside vLLM's row
 
 
 @dataclass
 class PlannedTree:
-    """A request's tree for a step: ``layout``, the ``cands`` it checks, int32
-    ``tokens`` and int64 ``positions`` [T], whether the ``window`` is in it."""
+    """A request's tree for a step (``expect``, ``catch_up``: as asked)."""
 
     layout: TreeLayout
-    cands: list
-    tokens: np.ndarray
-    positions: np.ndarray
+    cands: list  # those it checks (cut to the budget)
+    tokens: np.ndarray  # int32 [T]
+    positions: np.ndarray  # int64 [T]
     root: int
     root_pos: int
-    window: bool
+    window: bool  # the window's nodes are in it
     expect: list = field(default_factory=list)
     catch_up: bool = False
 
