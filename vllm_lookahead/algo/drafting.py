@@ -110,20 +110,17 @@ def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
     if not draft:
         newest = int(tokens[n_tok - 1])
         cands = state.pool.get(newest)[: state.settings.guess_set_size]
-        if not cands and reads:
-            cands = [(c, 1, SOURCE_MEMORY) for c in memory.followers(state.memory_scope, newest)[:1]]
-            if cands:
+        if cands:
+            counts = [c for _, c, _ in cands]
+            best = choose_candidate([0] * len(cands), counts)
+            draft, source = list(cands[best][0])[:k], cands[best][2]
+            state.lookup_kind = pool_kind(counts, best)
+        elif reads:  # what followed the token elsewhere, else another window's n-gram
+            found = memory.followers(state.memory_scope, newest)
+            if found:
                 state.lookup_kind = "memory1"
-            else:
-                cands = [(c, 1, SOURCE_MEMORY)
-                         for c in memory.ngrams(state.memory_scope, newest)[:1]]
-        counts = [c for _, c, _ in cands]
-        best = choose_candidate([0] * len(cands), counts)
-        if best >= 0:
-            cont, _, source = cands[best]
-            draft = list(cont)[:k]
-            if state.lookup_kind == "pool":
-                state.lookup_kind = pool_kind(counts, best)
+            found = found or memory.ngrams(state.memory_scope, newest)
+            draft, source = (list(found[0])[:k] if found else []), SOURCE_MEMORY
     state.lookup_sources = [source] * len(draft)
     return draft
 
