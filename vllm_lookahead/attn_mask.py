@@ -75,7 +75,8 @@ def build_tree(ngram_size: int, window_size: int, num_candidates: int) -> TreeLa
             nxt += 1
     for c in range(g):
         for k in range(levels):
-            cand_index[c, k], parents[nxt], depth[nxt] = nxt, cand_index[c, k - 1] if k else 0, k + 1
+            parent = cand_index[c, k - 1] if k else 0
+            cand_index[c, k], parents[nxt], depth[nxt] = nxt, parent, k + 1
             nxt += 1
     mask = np.eye(total, dtype=bool)
     for i in range(1, total):  # a parent precedes its children

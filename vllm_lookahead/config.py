@@ -61,13 +61,14 @@ class LookaheadConfig:
                     continue
                 lo, hi = _RANGES[name]
                 if isinstance(value, bool) or not isinstance(value, int):
-                    _fail(name, f"an integer in [{lo}, {hi}]", f"{value!r} ({type(value).__name__})")
+                    _fail(name, f"an integer in [{lo}, {hi}]",
+                          f"{value!r} ({type(value).__name__})")
                 if not lo <= value <= hi:
                     _fail(name, f"in [{lo}, {hi}]", value)
             elif name == "mode" and value not in _MODES:
                 _fail(name, f"one of {list(_MODES)}", repr(value))
-            elif name == "cost_model" and not (
-                    value in COST_MODEL_CHOICES or isinstance(value, str) and os.path.isfile(value)):
+            elif name == "cost_model" and not (value in COST_MODEL_CHOICES or (
+                    isinstance(value, str) and os.path.isfile(value))):
                 _fail(name, f"one of {list(COST_MODEL_CHOICES)} or an existing file", repr(value))
             elif name == "learn_step_cost" and not (isinstance(value, bool) or value == "auto"):
                 _fail(name, 'a boolean (true/false) or "auto"', repr(value))
@@ -154,7 +155,8 @@ def request_settings(extra_args: dict[str, Any] | None, engine: LookaheadConfig)
     unknown = sorted(set(given) - set(base))
     if unknown:
         raise LookaheadConfigError(
-            f"unknown per-request lookahead setting(s) {unknown} in extra_args; allowed: {list(base)}")
+            f"unknown per-request lookahead setting(s) {unknown} in extra_args; "
+            f"allowed: {list(base)}")
     for name, value in given.items():
         if name in ("enabled", "shared_memory"):
             base[name] = _flag(value, name) and (name == "enabled" or base[name])

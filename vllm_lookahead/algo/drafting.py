@@ -15,7 +15,8 @@ from vllm_lookahead.algo.state import (SOURCE_MEMORY, SOURCE_MODEL, SOURCE_PROMP
                                        SOURCE_WINDOW, JacobiWindow, NGramPool, RequestState,
                                        choose_candidate, request_seed, suffix_lookup)
 from vllm_lookahead.algo.trees import PlannedTree
-from vllm_lookahead.planner.acceptance import AcceptancePrior, RequestAcceptance, match_kind, pool_kind
+from vllm_lookahead.planner.acceptance import (AcceptancePrior, RequestAcceptance, match_kind,
+                                               pool_kind)
 
 
 @dataclass

@@ -179,7 +179,8 @@ class SharedMemory:
     def _read(self, tags, grams, scope: int, key: int) -> list[tuple[int, ...]]:
         tag, base = self._set(scope, key)
         g = self._gram
-        return [tuple(grams[w * g : (w + 1) * g]) for w in range(base, base + WAYS) if tags[w] == tag]
+        return [tuple(grams[w * g : (w + 1) * g])
+                for w in range(base, base + WAYS) if tags[w] == tag]
 
     def lookup(self, scope: int, own: int | None, text: np.ndarray, n: int, k: int,
                longer_than: int = 0) -> tuple[list[int], int, str]:

@@ -8,19 +8,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-#: Where a draft token came from: a window n-gram, the request's own text
-#: (prompt pool, lookup), the engine's shared memory, the model's own next token.
+#: Where a draft token came from: a window n-gram, own text, shared memory, the model.
 SOURCE_WINDOW, SOURCE_PROMPT, SOURCE_MEMORY, SOURCE_MODEL = "window", "prompt", "memory", "model"
 SOURCES = (SOURCE_WINDOW, SOURCE_PROMPT, SOURCE_MEMORY, SOURCE_MODEL)
 
 #: Places of a key that vote on a lookup's draft (the newest ones).
 MAX_PLACES = 16
-#: A voted draft stops where fewer than this share of the places agree with
-#: it all the way (suffix decoding's ``min_token_prob``).
+#: A voted draft stops where fewer places agree (suffix decoding's ``min_token_prob``).
 MIN_PROB = 0.1
 
-#: ``SamplingParams.extra_args`` key where the frontend writes a sample's
-#: parent's n (``patches`` 13: vLLM gives each of the n samples ``n = 1``).
+#: ``SamplingParams.extra_args`` key of a sample's parent's n (``patches`` 13).
 SAMPLES_KEY = "_lookahead_samples"
 
 
@@ -86,17 +83,15 @@ class JacobiWindow:
         return self.steps >= self.n - 2
 
     def columns(self, root: int, new: np.ndarray) -> list[tuple[int, tuple[int, ...]]]:
-        """This step's n-grams as (key, continuation), one per column the tree
-        carried (the first ``len(new)``): ``(B0[j], B_1[j], .., B_{N-2}[j], new[j])``
-        with ``B0 = [root, L0[0], ..., L0[W-2]]``."""
+        """The (key, continuation) n-grams ``(B0[j], B_1[j], .., new[j])`` of the
+        first ``len(new)`` columns, ``B0 = [root, L0[0], ..., L0[W-2]]``."""
         w = len(new)
         trunk = [int(root)] + self.levels[0, : w - 1].tolist()
         cols = np.concatenate([self.levels[1:, :w], np.asarray(new, np.int32)[None, :]]).T.tolist()
         return [(trunk[j], tuple(cols[j])) for j in range(w)]
 
     def shift(self, new: np.ndarray) -> None:
-        """One Jacobi step over the first ``len(new)`` columns (the others keep
-        their guesses): ``L0 <- L1[1:]``, ``L_l <- L_{l+1}``, newest <- new."""
+        """A Jacobi step of the first ``len(new)`` columns: ``L0 <- L1[1:]``, ``L_l <- L_{l+1}``."""
         new = np.asarray(new, dtype=np.int32)
         w = len(new)
         if self.n == 2:
@@ -195,10 +190,9 @@ def suffix_lookup(tokens: np.ndarray, n: int, k: int, max_len: int = 4) -> list[
 
 
 def vote_draft(conts: list[list[int]], k: int, min_prob: float = MIN_PROB) -> list[int]:
-    """The draft a key's places (their continuations, newest first) vote for,
-    as a suffix tree's counts do: each next token is the one most of the
-    places agreeing so far continue with (the newest among equals); it stops
-    where fewer than ``min_prob`` of all places agree all the way."""
+    """The draft a key's places (continuations, newest first) vote for token by
+    token, as a suffix tree's counts do (the newest among equals), until fewer
+    than ``min_prob`` of them agree with it all the way."""
     if len(conts) <= 1:
         return conts[0][:k] if conts else []
     out: list[int] = []
@@ -238,11 +232,9 @@ class TextIndex:
 
     def vote(self, tokens: np.ndarray, n: int, k: int,
              max_len: int = 4) -> tuple[list[int], int, str]:
-        """The draft (at most ``k`` tokens) after the longest earlier-seen
-        suffix (``max_len`` down to 2 tokens) of ``tokens[:n]``, voted by its
-        newest :data:`MAX_PLACES` places: ``(draft, suffix length, agreement)``,
-        ``([], 0, "")`` for none. ``tokens[:n]`` should extend the last call's
-        text; other text (checked by one token) is indexed afresh."""
+        """``(draft, length, agreement)`` of ``tokens[:n]``'s longest suffix seen
+        before (2..``max_len`` tokens), voted by its newest places; ``tokens[:n]``
+        should extend the last call's text (else, by one token, it starts afresh)."""
         toks, have = self.toks, len(self.toks)
         if n < have or (have and int(tokens[have - 1]) != toks[-1]):
             self.toks, self.ends = [], {}
