@@ -111,7 +111,7 @@ PARTS = (
     ("planner.step", "StepDrafter", "_fused_plan", "_fused_plan", ()),
     ("planner.planner", "Planner", "plan", "Planner.plan", ()),
     ("algo.memory", "SharedMemory", "extend", "SharedMemory.extend", ()),
-    ("algo.memory", "SharedMemory", "lookup_vote", "SharedMemory.lookup_vote", ()),
+    ("algo.memory", "SharedMemory", "lookup", "SharedMemory.lookup", ()),
     ("algo.state", "RequestState", "add_context_ngrams", "add_context_ngrams", ()),
     ("algo.state", "TextIndex", "vote", "TextIndex.vote", ()),
     ("algo.drafting", None, "account", "account", ("proposer",)),

@@ -30,11 +30,11 @@ def test_finds_other_documents_text_after_a_long_key():
     mem.extend(a, answer)
     # Another request with the same prompt asks at the prompt's end.
     b = mem.open(0, prompt)
-    cont, m = mem.lookup(0, b, prompt, len(prompt), 4)
+    cont, m, _ = mem.lookup(0, b, prompt, len(prompt), 4)
     assert m == KEY_LENS[0]
     assert cont == answer[:4].tolist()
     # Its own document is never the answer.
-    cont, m = mem.lookup(0, a, prompt, len(prompt), 4)
+    cont, m, _ = mem.lookup(0, a, prompt, len(prompt), 4)
     assert cont == [] and m == 0
 
 
@@ -49,9 +49,9 @@ def test_running_text_is_indexed_delay_tokens_late_and_all_at_close():
     # The key ending 2 tokens before the end has only 2 tokens after it:
     # not indexed yet (a match must have `delay` tokens to draft).
     asker = np.concatenate([_text(rng, 5), text[-14:-2]])
-    assert mem.lookup(0, None, asker, len(asker), 4) == ([], 0)
+    assert mem.lookup(0, None, asker, len(asker), 4)[:2] == ([], 0)
     mem.close(a)
-    cont, m = mem.lookup(0, None, asker, len(asker), 4)
+    cont, m, _ = mem.lookup(0, None, asker, len(asker), 4)
     assert cont == text[-2:].tolist() and m == 12
 
 
@@ -64,8 +64,8 @@ def test_scopes_never_see_each_other():
     a = mem.open(s1, prompt)
     mem.extend(a, answer)
     mem.close(a)
-    assert mem.lookup(s2, None, prompt, len(prompt), 4) == ([], 0)
-    assert mem.lookup(0, None, prompt, len(prompt), 4) == ([], 0)
+    assert mem.lookup(s2, None, prompt, len(prompt), 4)[:2] == ([], 0)
+    assert mem.lookup(0, None, prompt, len(prompt), 4)[:2] == ([], 0)
     assert mem.lookup(s1, None, prompt, len(prompt), 4)[0] == answer[:4].tolist()
 
 
@@ -114,7 +114,7 @@ def test_clear_forgets_everything():
     mem.close(a)
     mem.clear()
     assert len(mem) == 0 and mem.tokens == 0
-    assert mem.lookup(0, None, prompt, len(prompt), 4) == ([], 0)
+    assert mem.lookup(0, None, prompt, len(prompt), 4)[:2] == ([], 0)
     mem.extend(a, _text(rng, 4))  # a cleared document takes nothing
     assert mem.tokens == 0
 
@@ -532,13 +532,13 @@ def test_the_places_of_a_key_vote():
     key = _toks(*range(500, 512))  # 12 tokens: the longest key
     mem = SharedMemory(4096, delay=2)
     _after(mem, key, [(7, 8), (7, 8), (9, 9)])
-    assert mem.lookup(0, None, key, len(key), 2) == ([7, 8], 12)
+    assert mem.lookup(0, None, key, len(key), 2)[:2] == ([7, 8], 12)
     mem.min_prob = 0.9  # 2 of 3 agree: too few at every key length
-    assert mem.lookup(0, None, key, len(key), 2) == ([], 0)
+    assert mem.lookup(0, None, key, len(key), 2)[:2] == ([], 0)
     # a tie (one place each): the newest place's continuation, as before the vote
     one = SharedMemory(4096, delay=2, min_prob=0.0)
     _after(one, key, [(9, 9), (7, 8)])
-    assert one.lookup(0, None, key, len(key), 2) == ([7, 8], 12)
+    assert one.lookup(0, None, key, len(key), 2)[:2] == ([7, 8], 12)
 
 
 def test_votes_leave_out_the_asking_document_and_evicted_ones():
@@ -547,12 +547,12 @@ def test_votes_leave_out_the_asking_document_and_evicted_ones():
     a, b, c = _after(mem, key, [(7, 8), (7, 8), (9, 9)])
     # the asking request's own place does not vote (the chain goes on past
     # it): as a, b and c tie and the newest (c) wins; as c, 7 8 twice
-    assert mem.lookup(0, a, key, len(key), 2) == ([9, 9], 12)
-    assert mem.lookup(0, c, key, len(key), 2) == ([7, 8], 12)
+    assert mem.lookup(0, a, key, len(key), 2)[:2] == ([9, 9], 12)
+    assert mem.lookup(0, c, key, len(key), 2)[:2] == ([7, 8], 12)
     # the two oldest evicted: only c's place is left
     mem._docs.pop(a)
     mem._docs.pop(b)
-    assert mem.lookup(0, None, key, len(key), 2) == ([9, 9], 12)
+    assert mem.lookup(0, None, key, len(key), 2)[:2] == ([9, 9], 12)
 
 
 def test_votes_skip_places_of_other_keys_on_a_shared_slot(monkeypatch):
@@ -568,7 +568,7 @@ def test_votes_skip_places_of_other_keys_on_a_shared_slot(monkeypatch):
     mem = SharedMemory(4096, delay=2)
     _after(mem, key, [(7, 8)])
     _after(mem, other, [(9, 9), (9, 9)])
-    assert mem.lookup(0, None, key, len(key), 2) == ([7, 8], 12)
+    assert mem.lookup(0, None, key, len(key), 2)[:2] == ([7, 8], 12)
 
 
 def test_a_lookup_asked_for_longer_keys_skips_the_shorter_ones():
@@ -578,25 +578,24 @@ def test_a_lookup_asked_for_longer_keys_skips_the_shorter_ones():
     mem = SharedMemory(4096, delay=2)
     _after(mem, key, [(7, 8)])
     _after(mem, _toks(900, 901, 510, 511), [(3, 4)])  # a shorter key elsewhere
-    assert mem.lookup_vote(0, None, key, len(key), 2, longer_than=6) == ([7, 8], 12, "")
-    assert mem.lookup_vote(0, None, key, len(key), 2, longer_than=12) == ([], 0, "")
+    assert mem.lookup(0, None, key, len(key), 2, longer_than=6) == ([7, 8], 12, "")
+    assert mem.lookup(0, None, key, len(key), 2, longer_than=12) == ([], 0, "")
     tail = _toks(1, 2, 510, 511)
-    assert mem.lookup_vote(0, None, tail, 4, 2)[1] == 2
-    assert mem.lookup_vote(0, None, tail, 4, 2, longer_than=2) == ([], 0, "")
+    assert mem.lookup(0, None, tail, 4, 2)[1] == 2
+    assert mem.lookup(0, None, tail, 4, 2, longer_than=2) == ([], 0, "")
 
 
 def test_a_lookup_says_how_the_places_agreed_and_its_kind_carries_it():
     key = _toks(*range(500, 512))
     mem = SharedMemory(4096, delay=2)
     _after(mem, key, [(7, 8), (7, 9)])
-    assert mem.lookup_vote(0, None, key, len(key), 2) == ([7, 9], 12, "+")
-    assert mem.lookup(0, None, key, len(key), 2) == ([7, 9], 12)
+    assert mem.lookup(0, None, key, len(key), 2) == ([7, 9], 12, "+")
     _after(mem, key, [(5, 5)])
-    assert mem.lookup_vote(0, None, key, len(key), 2)[2] == "-"
+    assert mem.lookup(0, None, key, len(key), 2)[2] == "-"
     one = SharedMemory(4096, delay=2)
     _after(one, key, [(7, 8)])
-    assert one.lookup_vote(0, None, key, len(key), 2) == ([7, 8], 12, "")
-    assert one.lookup_vote(0, None, _toks(1, 2, 3), 3, 2) == ([], 0, "")
+    assert one.lookup(0, None, key, len(key), 2) == ([7, 8], 12, "")
+    assert one.lookup(0, None, _toks(1, 2, 3), 3, 2) == ([], 0, "")
     # the request's lookup kind: source, key length, agreement
     prior = AcceptancePrior(max_cands=3)
     state = _state(prior)

@@ -1,16 +1,5 @@
-"""How a user's speculative config selects lookahead.
-
-Users write ``speculative_config={"method": "lookahead", "ngram_size": 4, ...}``
-(or any other spelling vLLM takes for a method: :func:`is_lookahead`,
-:func:`merge_spec_flags`).
-:func:`split_speculative_config` separates our keys from the ones vLLM's own
-``SpeculativeConfig`` understands, validates ours into a
-:class:`~vllm_lookahead.config.LookaheadConfig` and reports every bad value
-with the name of the field and its allowed range.
-
-This module is pure Python (no vLLM import) so it can be unit-tested and
-imported cheaply from the plugin entry point.
-"""
+"""How a user's ``speculative_config`` selects lookahead (pure Python, no vLLM):
+any spelling vLLM takes for a method; our keys become a ``LookaheadConfig``."""
 
 from __future__ import annotations
 
@@ -20,59 +9,37 @@ from typing import Any
 from vllm_lookahead.config import LookaheadConfig, LookaheadConfigError
 
 METHOD = "lookahead"
-#: Every ``method`` that selects lookahead (vLLM takes ``"[ngram]"`` as a
-#: method too).
+#: Every ``method`` that selects lookahead (vLLM also takes ``"[ngram]"``).
 METHOD_NAMES = ("lookahead", "[lookahead]")
-#: Every ``model`` that selects lookahead when no method is given, as
-#: ``"[ngram]"`` and ``"ngram"`` select prompt lookup in vLLM
-#: (``--spec-model "[lookahead]"``, ``--speculative-model "[lookahead]"``).
+#: Every ``model`` that selects it without a method, as ``"[ngram]"`` does ngram.
 MODEL_NAMES = ("[lookahead]", "lookahead")
-#: vLLM 0.32's shorthand flags, merged into ``speculative_config`` by
-#: ``EngineArgs.create_speculative_config``: (flag, key, EngineArgs field).
+#: vLLM 0.32's shorthand flags: (flag, key, ``EngineArgs`` field).
 SPEC_FLAGS = (
     ("--spec-method", "method", "spec_method"),
     ("--spec-model", "model", "spec_model"),
     ("--spec-tokens", "num_speculative_tokens", "spec_tokens"),
 )
-#: The proposer class vLLM instantiates (through its ``custom_class`` hook).
+#: The proposer vLLM instantiates through its ``custom_class`` hook.
 PROPOSER_QUALNAME = "vllm_lookahead.proposer.LookaheadProposer"
-
-# Keys of vLLM's SpeculativeConfig a lookahead user may still set. ``method``
-# and ``model`` are ours to fill in; draft-model keys make no sense here.
-PASSTHROUGH_KEYS = frozenset(
-    {
-        "num_speculative_tokens",
-        "num_speculative_tokens_per_batch_size",
-        "rejection_sample_method",
-        "enforce_eager",
-    }
-)
+#: Keys of vLLM's ``SpeculativeConfig`` a lookahead user may still set.
+PASSTHROUGH_KEYS = frozenset({"num_speculative_tokens", "num_speculative_tokens_per_batch_size",
+                              "rejection_sample_method", "enforce_eager"})
 
 
 @dataclass
 class SplitConfig:
-    """Result of :func:`split_speculative_config`."""
-
     lookahead: LookaheadConfig
-    #: Keyword arguments for vLLM's SpeculativeConfig.
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    vllm_kwargs: dict[str, Any] = field(default_factory=dict)  # for vLLM's SpeculativeConfig
 
 
 def _underscored(spec: dict[str, Any]) -> dict[str, Any]:
-    """The dict with dashes in its keys read as underscores, as vLLM's CLI
-    reads them (``ngram-size`` == ``ngram_size``)."""
+    """Dashes in keys read as underscores, as vLLM's CLI reads them."""
     return {str(k).replace("-", "_"): v for k, v in spec.items()}
 
 
 def is_lookahead(spec: Any) -> bool:
-    """Whether a (merged) ``speculative_config`` dict selects lookahead:
-    ``method`` is ``"lookahead"``, or no method and ``model`` is
-    ``"[lookahead]"``/``"lookahead"`` (how ``"[ngram]"`` selects ngram).
-
-    Raises:
-        LookaheadConfigError: ``model`` names lookahead but ``method`` names
-            another method.
-    """
+    """Whether a (merged) ``speculative_config`` selects lookahead, by its
+    ``method`` or by its ``model`` alone (an error where they disagree)."""
     if not isinstance(spec, dict):
         return False
     spec = _underscored(spec)
@@ -82,29 +49,14 @@ def is_lookahead(spec: Any) -> bool:
     if model in MODEL_NAMES and method is not None:
         raise LookaheadConfigError(
             f"speculative model {model!r} selects method 'lookahead', but the "
-            f"method is {method!r}; give one of them"
-        )
+            f"method is {method!r}; give one of them")
     return method is None and model in MODEL_NAMES
 
 
 def merge_spec_flags(spec: Any, args: Any) -> tuple[Any, dict[str, str]]:
-    """``speculative_config`` with vLLM's shorthand flags merged in, as
-    vLLM 0.32's ``EngineArgs.create_speculative_config`` merges them, but
-    without changing ``args``.
-
-    Args:
-        spec: ``EngineArgs.speculative_config`` (a dict or None).
-        args: the ``EngineArgs`` (``spec_method``, ``spec_model``,
-            ``spec_tokens``; missing fields count as not given).
-
-    Returns:
-        The merged dict (None when nothing is set) and, per key that came
-        from a flag, that flag's name (for error messages).
-
-    Raises:
-        ValueError: a flag and the same key of ``--speculative-config`` are
-            both given (vLLM's own message: "... are mutually exclusive").
-    """
+    """``spec`` with the flags of ``args`` (``EngineArgs``) merged in as vLLM
+    0.32 does (``args`` untouched), and per key from a flag its name. A flag
+    and the same key: vLLM's ``ValueError`` ("... are mutually exclusive")."""
     merged = dict(spec) if isinstance(spec, dict) else spec
     names: dict[str, str] = {}
     for flag, key, attr in SPEC_FLAGS:
@@ -120,24 +72,11 @@ def merge_spec_flags(spec: Any, args: Any) -> tuple[Any, dict[str, str]]:
     return merged, names
 
 
-def split_speculative_config(
-    spec: dict[str, Any], names: dict[str, str] | None = None
-) -> SplitConfig:
-    """Validate a ``speculative_config`` dict that selects lookahead
-    (:func:`is_lookahead`).
-
-    Returns our settings and the kwargs for vLLM's ``SpeculativeConfig``
-    (``method="custom_class"`` pointing at our proposer). Dashes in keys are
-    accepted like vLLM's CLI does (``ngram-size`` == ``ngram_size``).
-
-    Args:
-        spec: the merged dict.
-        names: how the user spelled a key that came from a flag
-            (``{"num_speculative_tokens": "--spec-tokens"}``), for messages.
-
-    Raises:
-        LookaheadConfigError: unknown key, wrong type or value out of range.
-    """
+def split_speculative_config(spec: dict[str, Any],
+                             names: dict[str, str] | None = None) -> SplitConfig:
+    """Our settings and vLLM's ``SpeculativeConfig`` kwargs (our proposer as
+    its ``custom_class``) of a lookahead ``spec``; ``names``: the flags keys
+    came from, for messages (:class:`LookaheadConfigError` names the field)."""
     spec = _underscored(spec)
     names = names or {}
 
@@ -151,30 +90,21 @@ def split_speculative_config(
     if model is not None and model not in MODEL_NAMES:
         raise LookaheadConfigError(
             f"{name('model')} = {model!r}: lookahead drafts from the text and takes "
-            f"no draft model (leave it out, or give {MODEL_NAMES[0]!r})"
-        )
-    ours = {k: spec.pop(k) for k in list(spec) if k in LookaheadConfig.field_names()}
+            f"no draft model (leave it out, or give {MODEL_NAMES[0]!r})")
+    fields = LookaheadConfig.field_names()
+    ours = {k: spec.pop(k) for k in list(spec) if k in fields}
     unknown = sorted(set(spec) - PASSTHROUGH_KEYS)
     if unknown:
         raise LookaheadConfigError(
-            f"unknown key(s) {unknown} in speculative_config for method "
-            f"'lookahead'; allowed: "
-            f"{sorted(LookaheadConfig.field_names() + list(PASSTHROUGH_KEYS))}"
-        )
+            f"unknown key(s) {unknown} in speculative_config for method 'lookahead'; "
+            f"allowed: {sorted(fields + list(PASSTHROUGH_KEYS))}")
     cfg = LookaheadConfig.from_dict(ours)
     k = spec.pop("num_speculative_tokens", None)
     if k is None:
         k = cfg.max_draft_len
     elif isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= cfg.max_draft_len:
         raise LookaheadConfigError(
-            f"{name('num_speculative_tokens')} must be an integer "
-            f"in [1, {cfg.max_draft_len}] (max(ngram_size, lookup_len): the "
-            f"longest draft lookahead makes), got {k!r}"
-        )
-    vllm_kwargs = {
-        **spec,
-        "method": "custom_class",
-        "model": PROPOSER_QUALNAME,
-        "num_speculative_tokens": k,
-    }
-    return SplitConfig(lookahead=cfg, vllm_kwargs=vllm_kwargs)
+            f"{name('num_speculative_tokens')} must be an integer in [1, {cfg.max_draft_len}] "
+            f"(max(ngram_size, lookup_len): the longest draft lookahead makes), got {k!r}")
+    return SplitConfig(lookahead=cfg, vllm_kwargs={
+        **spec, "method": "custom_class", "model": PROPOSER_QUALNAME, "num_speculative_tokens": k})

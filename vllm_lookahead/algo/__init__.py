@@ -1,1 +1,1 @@
-"""The algorithm, pure and engine-free: Jacobi window, n-gram pool, lookups, shared memory, trees."""
+"""The algorithm, engine-free: Jacobi window, n-gram pool, lookups, shared memory, trees."""
