@@ -1,11 +1,8 @@
 """vLLM's Ray executor on its CPU platform (opt-in: ``LOOKAHEAD_RAY_ON_CPU=1``).
 
-vLLM 0.32's CPU platform has no Ray resource (``ray_device_key``: "current
-platform cpu does not support ray"). Each CPU worker reserves a custom one,
-:data:`RAY_CPU_RESOURCE`, which the cluster declares (``ray start --resources=
-'{"vllm_cpu": 2}'``, one a worker), and vLLM's two Ray worker classes become
-:mod:`.ray_worker`'s, which report no device ids (Ray's accelerator table has
-no entry for a custom resource).
+vLLM 0.32's CPU platform has no Ray resource. Each CPU worker reserves
+:data:`RAY_CPU_RESOURCE`, which the cluster declares (``ray start
+--resources='{"vllm_cpu": 2}'``), and reports no device ids (:mod:`.ray_worker`).
 """
 
 from __future__ import annotations

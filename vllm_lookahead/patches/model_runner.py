@@ -81,11 +81,10 @@ def warm_up(orig, self, *args, **kwargs):
 
 
 def install_logits_hook(model, owner) -> None:
-    """Not a registered patch: wraps ``compute_logits`` of the engine's model
-    instance (once): ``owner.take_extra_rows()`` (hidden states ``[k,
-    hidden]`` or None) ride in vLLM's logits call, appended after its rows;
-    their logits go to ``owner.put_extra_logits`` (None on a rank that does
-    not gather logits), vLLM gets its own rows back."""
+    """Wrap ``compute_logits`` of the engine's model instance (once; per
+    instance, so not in the registry): ``owner.take_extra_rows()`` (``[k,
+    hidden]`` or None) ride in vLLM's call after its rows, their logits go to
+    ``owner.put_extra_logits`` (None where not gathered)."""
     orig = model.compute_logits
     if getattr(orig, "_lookahead_hook", False):
         return

@@ -32,13 +32,10 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def cpu_sampler_wanted() -> bool:
-    return on_cpu() and os.environ.get(CPU_SAMPLER_ENV, "1").strip() != "0"
-
-
 ALWAYS = When("always", lambda: True)
 CPU = When("CPU", on_cpu)
-CPU_SAMPLER = When(f"CPU, unless `{CPU_SAMPLER_ENV}=0`", cpu_sampler_wanted)
+CPU_SAMPLER = When(f"CPU, unless `{CPU_SAMPLER_ENV}=0`",
+                   lambda: on_cpu() and os.environ.get(CPU_SAMPLER_ENV, "1").strip() != "0")
 
 #: Every declared patch, in the order ``apply_all`` applies them.
 PATCHES: list[Patch] = []
