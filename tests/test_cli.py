@@ -43,7 +43,7 @@ def test_cli_help_names_the_lookahead_spellings():
 
 
 def test_distribution_fix_answers_for_vllm_only():
-    from vllm_lookahead.patches import fix_vllm_distribution_name
+    from vllm_lookahead.cli import fix_vllm_distribution_name
 
     fix_vllm_distribution_name()
     fix_vllm_distribution_name()  # idempotent

@@ -6,9 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_lookahead.cpu import sampling
 from vllm_lookahead.cpu.sampling import TopPCounts, recovered_inv_q, top_k_top_p_rows
 
 VOCAB = 49152
+
+
+def fresh_counts() -> TopPCounts:
+    """A new ``sampling.COUNTS``, which the functions under test count into."""
+    sampling.COUNTS = TopPCounts()
+    return sampling.COUNTS
 
 
 def vllm_top_k_top_p(logits, k, p):
@@ -32,9 +39,9 @@ def lm_like(rows: int, seed: int, bf16: bool = False) -> torch.Tensor:
 
 
 def check(logits, k, p) -> TopPCounts:
-    counts = TopPCounts()
     want = vllm_top_k_top_p(logits.clone(), None if k is None else k.clone(), p)
-    got = top_k_top_p_rows(logits.clone(), k, p, vllm_top_k_top_p, counts)
+    counts = fresh_counts()
+    got = top_k_top_p_rows(logits.clone(), k, p, vllm_top_k_top_p)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.equal(got, want)
     assert counts.rows == logits.shape[0]
@@ -81,8 +88,8 @@ def test_decided_rows_never_call_the_fallback():
         raise AssertionError("fallback called")
 
     p = torch.full((8,), 0.9)
-    counts = TopPCounts()
-    top_k_top_p_rows(logits.clone(), None, p, boom, counts, margin=0.0)
+    counts = fresh_counts()
+    top_k_top_p_rows(logits.clone(), None, p, boom, margin=0.0)
     assert counts.fallback_rows == 0
 
 
@@ -206,14 +213,13 @@ def vllm_rejection(target, drafts, nd, bonus, is_greedy, kk, pp, gens, max_spec)
     return out
 
 
-def lazy_rejection(target, drafts, nd, bonus, is_greedy, kk, pp, gens, max_spec, counts=None):
+def lazy_rejection(target, drafts, nd, bonus, is_greedy, kk, pp, gens, max_spec):
     from vllm_lookahead.cpu.sampling import verify_sampled_rows
 
     _, _, out, uniform = _greedy_rows(target, drafts, nd, bonus, is_greedy, gens, max_spec)
     verify_sampled_rows(out, drafts, nd, target.clone(), kk, pp, bonus, uniform, is_greedy,
                         gens, lambda x, k_, p_, ties=None: top_k_top_p_rows(
-                            x, k_, p_, vllm_top_k_top_p, counts, ties=ties),
-                        counts=counts)
+                            x, k_, p_, vllm_top_k_top_p, ties=ties))
     return out
 
 
@@ -229,9 +235,9 @@ def test_lazy_verification_samples_what_vllm_samples(seed, top_k):
     target, drafts, bonus, is_greedy, pp, kk = _setup(seed, nd, greedy, top_k=top_k)
     want = vllm_rejection(target, drafts, nd, bonus, is_greedy, kk, pp,
                           _generators(nd, greedy, 100 * seed), 16)
-    counts = TopPCounts()
+    counts = fresh_counts()
     got = lazy_rejection(target, drafts, nd, bonus, is_greedy, kk, pp,
-                         _generators(nd, greedy, 100 * seed), 16, counts)
+                         _generators(nd, greedy, 100 * seed), 16)
     assert torch.equal(got, want), (got, want)
     sampled_rows = sum(n for n, gr in zip(nd, greedy) if not gr)
     assert counts.draft_rows == sampled_rows
@@ -320,9 +326,9 @@ def test_lazy_verification_decides_ties_as_vllm(seed):
     target, drafts, bonus, is_greedy, pp = _setup_ties(seed, nd)
     want = vllm_rejection(target, drafts, nd, bonus, is_greedy, None, pp,
                           _generators(nd, greedy, 7 + seed), 6)
-    counts = TopPCounts()
+    counts = fresh_counts()
     got = lazy_rejection(target, drafts, nd, bonus, is_greedy, None, pp,
-                         _generators(nd, greedy, 7 + seed), 6, counts)
+                         _generators(nd, greedy, 7 + seed), 6)
     assert torch.equal(got, want), (got, want)
     assert counts.tie_rows > 10, counts
     # tied draft tokens (about 15%) and tied recovered winners need the sort

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import vllm_lookahead.cpu.lazy_bonus as lazy_bonus
+from vllm_lookahead.cpu import sampling
 from vllm_lookahead.cpu.sampling import TopPCounts
+from vllm_lookahead.patches.registry import APPLIED, CPU_SAMPLER
 
 VOCAB = 64
 
@@ -19,16 +21,22 @@ VOCAB = 64
 def verifier():
     """vLLM's RejectionSampler over its Sampler, with the CPU fallbacks of
     its Triton kernels registered as a CPU worker registers them (and the
-    expand kernel fixed, patch 5)."""
+    expand kernel fixed)."""
     from vllm.platforms import current_platform
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
 
-    from vllm_lookahead import patches
-
-    patches._fix_cpu_expand_kernel()
+    fix = patch_named("expand_kernel_impl")
+    if APPLIED.get(fix.target) is not fix:
+        fix.apply()
     current_platform.register_triton_kernel_overrides()
     return RejectionSampler(Sampler())
+
+
+def patch_named(name: str):
+    from vllm_lookahead import patches
+
+    return next(p for p in patches.declared() if p.name == name)
 
 
 def metadata(b: int, **over):
@@ -63,12 +71,6 @@ def spec(drafts: list[list[int]]):
     md.target_logits_indices = torch.tensor(target, dtype=torch.int32)
     md.bonus_logits_indices = torch.tensor(bonus, dtype=torch.int32)
     return md, row
-
-
-def rs_module():
-    import vllm.v1.sample.rejection_sampler as rs
-
-    return rs
 
 
 def test_applies_only_where_rows_can_be_cut():
@@ -125,10 +127,10 @@ def test_bonus_rows_sampled_only_where_used(verifier):
         calls.append(kwargs["logits"].shape[0])
         return orig(*args, **kwargs)
 
-    counts = TopPCounts()
+    counts = sampling.COUNTS = TopPCounts()
     verifier.sampler.forward = spy
     try:
-        got = lazy_bonus.forward(verifier, md, logits.clone(), sm, rs_module(), counts)
+        got = lazy_bonus.forward(verifier, md, logits.clone(), sm)
     finally:
         del verifier.sampler.forward
     assert got.sampled_token_ids.tolist() == want.tolist() == [
@@ -147,7 +149,7 @@ def test_no_bonus_row_used_no_sampler_call(verifier):
     orig = verifier.sampler.forward
     verifier.sampler.forward = lambda *a, **k: calls.append(1) or orig(*a, **k)
     try:
-        out = lazy_bonus.forward(verifier, md, logits, metadata(2), rs_module())
+        out = lazy_bonus.forward(verifier, md, logits, metadata(2))
     finally:
         del verifier.sampler.forward
     assert out.sampled_token_ids[:, 0].tolist() == [1, 1] and calls == []
@@ -174,7 +176,7 @@ def test_the_distribution_is_vllms(verifier):
         for _ in range(rounds):
             sm = metadata(n)
             if lazy:
-                out = lazy_bonus.forward(verifier, md, logits.clone(), sm, rs_module())
+                out = lazy_bonus.forward(verifier, md, logits.clone(), sm)
             else:
                 out = verifier(md, None, logits.clone(), sm)
             for row in out.sampled_token_ids.tolist():
@@ -253,14 +255,12 @@ def test_measure_verify_times_accepted_and_rejected_drafts(verifier):
     assert all(row[0] != 511 and row[1] == -1 for out in misses for row in out)  # rejected
 
 
-def test_patched_verifier_samples_vllms_tokens(verifier, monkeypatch):
-    """Patch 15 as installed (its ``apply_sampling_constraints`` dividing by
-    the temperature itself and expanding top-k/top-p per draft token, the
-    lazy verification, the tie rows) against vLLM's own rejection sampler:
+def test_patched_verifier_samples_vllms_tokens(verifier):
+    """The CPU sampler patches as installed (the temperature divided by
+    ``defer_top_k_top_p``, top-k/top-p expanded per draft token, the lazy
+    verification, the tie rows) against vLLM's own rejection sampler:
     seeded requests (each draw from its generator), temperatures, top-k and
     top-p by request, a greedy request among them: the same tokens."""
-    import vllm.v1.sample.rejection_sampler as rs
-
     from vllm_lookahead import patches
 
     vocab, b = 4096, 6
@@ -274,19 +274,28 @@ def test_patched_verifier_samples_vllms_tokens(verifier, monkeypatch):
     top_k = torch.tensor([vocab, 40, vocab, 8, vocab, 100], dtype=torch.int32)
     top_p = torch.tensor([0.95, 0.9, 1.0, 0.8, 0.99, 0.7])
 
-    def sampling(seed):
+    def sampled(seed):
         return metadata(b, temperature=temperature, all_random=False, top_k=top_k,
                         top_p=top_p, output_token_ids=[], spec_token_ids=[],
                         generators={i: torch.Generator().manual_seed(seed + i)
                                     for i in range(b) if temperature[i] > 0})
 
-    for seed in range(0, 40, 10):
-        want = verifier(md, None, logits.clone(), sampling(seed)).sampled_token_ids
-        with monkeypatch.context() as m:
-            for name in ("apply_top_k_top_p", "sample_recovered_tokens",
-                         "apply_sampling_constraints", "rejection_sample"):
-                m.setattr(rs, name, getattr(rs, name))  # restored on exit
-            m.setattr(rs.RejectionSampler, "forward", rs.RejectionSampler.forward)
-            patches._cheap_cpu_verification()
-            got = verifier(md, None, logits.clone(), sampling(seed)).sampled_token_ids
-        assert got.tolist() == want.tolist(), seed
+    speedups = [p for p in patches.declared() if p.when is CPU_SAMPLER]
+    assert len(speedups) == 5
+    was = [p for p in speedups if APPLIED.get(p.target) is p]
+    for p in was:  # the plugin applied them in this process: vLLM's own first
+        p.revert()
+    try:
+        for seed in range(0, 40, 10):
+            want = verifier(md, None, logits.clone(), sampled(seed)).sampled_token_ids
+            for p in speedups:
+                p.apply()
+            try:
+                got = verifier(md, None, logits.clone(), sampled(seed)).sampled_token_ids
+            finally:
+                for p in speedups:
+                    p.revert()
+            assert got.tolist() == want.tolist(), seed
+    finally:
+        for p in was:
+            p.apply()

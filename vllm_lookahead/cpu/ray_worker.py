@@ -1,11 +1,6 @@
-"""Ray worker classes for vLLM's CPU platform (see :mod:`ray_cpu`).
-
-In a module of its own so that Ray is imported only when the fix is wanted;
-Ray workers import these classes by reference when they start. Each is
-vLLM's own class with one change: a worker that owns no device reports no
-device ids (vLLM reads them from Ray's accelerator table, which has no entry
-for a custom resource).
-"""
+"""vLLM's Ray worker classes for its CPU platform (:mod:`.ray`): a worker that
+owns no device reports no device ids. Imported only when wanted (it imports
+Ray); Ray workers import these classes by reference."""
 
 from __future__ import annotations
 
@@ -19,14 +14,14 @@ def _node_without_devices() -> tuple[str, list[int]]:
 
 
 class CpuRayWorkerWrapper(RayWorkerWrapper):  # type: ignore[valid-type, misc]
-    """The worker of vLLM's first Ray executor (``RayDistributedExecutor``)."""
+    """The worker of ``RayDistributedExecutor``."""
 
     def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
         return _node_without_devices()
 
 
 class CpuRayWorkerProc(RayWorkerProc):
-    """The worker of vLLM's default Ray executor (``RayExecutorV2``)."""
+    """The worker of ``RayExecutorV2`` (vLLM's default)."""
 
     def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
         return _node_without_devices()
