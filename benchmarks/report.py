@@ -319,34 +319,34 @@ RESULTS_DIR = REPO / "benchmarks" / "results"
 README = REPO / "README.md"
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
-#: One README table per CPU kind: the CPU (in full; the CPU column's text) and
-#: the kept results files (``benchmarks/results/NAME.json``) its rows come from.
-README_RESULTS: list[tuple[str, str, list[str]]] = [
-    ("Intel Xeon without AMX (family 6 model 207, avx512_bf16)", "Xeon 6/207, no AMX", [
+#: One README table per CPU kind (2 vCPUs each): the CPU column's text and the
+#: kept results files (``benchmarks/results/NAME.json``) its rows come from.
+README_RESULTS: list[tuple[str, list[str]]] = [
+    ("Xeon 6/207, no AMX", [  # Intel Xeon, family 6 model 207, avx512_bf16
         "xeon_noamx_template24_s641_live_stop64",
         "xeon_noamx_template24_structured_s640_stop65",
         "xeon_noamx_n4_s638_stop65",
         "xeon_noamx_n16_s636_stop65",
     ]),
-    ("Intel Xeon with AMX (family 6 model 167, amx_bf16)", "Xeon 6/167, AMX", [
+    ("Xeon 6/167, AMX", [  # Intel Xeon, family 6 model 167, amx_bf16
         "xeon_amx_greedy_d_stop52_s197",
         "xeon_amx_template32_stop61_s263",
         "xeon_amx_n4b1_stop61_s261",
         "xeon_amx_n16b1_stop52_s191",
     ]),
-    ("AMD EPYC Zen 3 (family 25 model 1, AVX2 only)", "EPYC Zen 3, AVX2", [
+    ("EPYC Zen 3, AVX2", [  # AMD EPYC, family 25 model 1, AVX2 only
         "epyc_zen3_repeat24_stop59_s251",
         "epyc_zen3_template_structured_stop57_s244",
         "epyc_zen3_n4_stop60_s242",
         "epyc_zen3_n16_stop57_s241",
     ]),
-    ("AMD EPYC Zen 4 (family 25 model 17, avx512_bf16)", "EPYC Zen 4", [
+    ("EPYC Zen 4", [  # AMD EPYC, family 25 model 17, avx512_bf16
         "zen4_greedy_d_stop45_seed106",
         "zen4_template32_stop45_seed108",
         "zen4_n4b1_24_stop45_seed103",
         "zen4_n16b1_16_stop44_seed98",
     ]),
-    ("AMD EPYC Zen 5 (family 26 model 2, avx512_bf16)", "EPYC Zen 5", [
+    ("EPYC Zen 5", [  # AMD EPYC, family 26 model 2, avx512_bf16
         "zen5_greedy_d_stop53_s212",
         "zen5_template32_stop53_s210",
         "zen5_n4b1_stop55_s223",
@@ -354,9 +354,9 @@ README_RESULTS: list[tuple[str, str, list[str]]] = [
     ]),
 ]
 
-MODEL_NAMES = {"smollm2": "SmolLM2-135M", "qwen-coder": "Qwen2.5-Coder-0.5B"}
-DATASET_NAMES = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "template": "template"}
-DTYPE_NAMES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+README_MODELS = {"smollm2": "SmolLM2-135M", "qwen-coder": "Qwen2.5-Coder-0.5B"}
+README_DATASETS = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "template": "template"}
+README_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 #: The compared methods, by their entry in ``--methods``: the table's columns.
 README_METHODS = (("la", "lookahead"), ("ngram", "`ngram`"), ("suffix", "`suffix`"))
 README_HEADER = ("| CPU | model | dtype | batch | set (prompts) | sampling | "
@@ -383,16 +383,17 @@ def _readme_sampling(row: dict[str, Any]) -> str:
 
 
 def readme_rows(results: dict[str, Any], cpu: str, link: str) -> list[str]:
-    """One table line per (dataset, batch size) of a results file, in its
-    order: the CPU, model, dtype, batch (``b x n samples`` with ``--n``),
-    set, sampling, then each compared method's cell and ``link``."""
+    """One table line per (model, dtype, dataset, batch size) of a results
+    file, by batch size and then dataset: the CPU, model, dtype, batch
+    (``b x n samples`` with ``--n``), set, sampling, each compared method's
+    cell and ``link``."""
     groups: dict[tuple, dict[str, dict]] = {}
     for row in results.get("rows", []):
         if row.get("pass"):  # --repeat: the overall row only
             continue
         key = (row["model"], row["dtype"], row["dataset"], row["batch_size"])
         groups.setdefault(key, {})[row.get("method", "?")] = row
-    order = list(DATASET_NAMES)
+    order = list(README_DATASETS)
     lines = []
     for (model, dtype, dataset, bs), by_method in sorted(
             groups.items(), key=lambda g: (g[0][3], order.index(g[0][2])
@@ -400,8 +401,8 @@ def readme_rows(results: dict[str, Any], cpu: str, link: str) -> list[str]:
         first = next(iter(by_method.values()))
         n = first.get("n") or 1
         batch = f"{bs} x {n} samples" if n > 1 else str(bs)
-        cells = [cpu, MODEL_NAMES.get(model, model), DTYPE_NAMES.get(dtype, dtype), batch,
-                 f"{DATASET_NAMES.get(dataset, dataset)} ({first.get('n_prompts', '?')})",
+        cells = [cpu, README_MODELS.get(model, model), README_DTYPES.get(dtype, dtype), batch,
+                 f"{README_DATASETS.get(dataset, dataset)} ({first.get('n_prompts', '?')})",
                  _readme_sampling(first),
                  *(_readme_cell(by_method.get(method)) for method, _ in README_METHODS), link]
         lines.append("| " + " | ".join(cells) + " |")
@@ -409,11 +410,11 @@ def readme_rows(results: dict[str, Any], cpu: str, link: str) -> list[str]:
 
 
 def readme_tables(results_dir: Path = RESULTS_DIR,
-                  tables: Sequence[tuple[str, str, Sequence[str]]] = README_RESULTS) -> str:
+                  tables: Sequence[tuple[str, Sequence[str]]] = README_RESULTS) -> str:
     """The README's result tables (what goes between its markers), built from
     the results files in ``results_dir``."""
     out: list[str] = []
-    for _cpu, cpu, names in tables:
+    for cpu, names in tables:
         out += [README_HEADER, "|" + "---|" * README_HEADER.count(" | ") + "---|"]
         for name in names:
             results = json.loads((results_dir / f"{name}.json").read_text(encoding="utf-8"))
@@ -423,24 +424,28 @@ def readme_tables(results_dir: Path = RESULTS_DIR,
     return "\n".join(out) + "\n"  # a blank line after each table
 
 
+def _split_readme(text: str) -> tuple[str, str, str]:
+    """A README's ``text`` as (up to its begin marker's line, the tables, from
+    its end marker on)."""
+    head, begin, rest = text.partition(BEGIN + "\n")
+    tables, end, tail = rest.partition(END)
+    if not begin or not end:
+        raise ValueError(f"README has no {BEGIN} ... {END} section")
+    return head + begin, tables, end + tail
+
+
 def readme_section(text: str) -> str:
     """What lies between the results markers of a README's ``text``."""
-    try:
-        head, rest = text.split(BEGIN + "\n", 1)
-        return rest.split(END, 1)[0]
-    except ValueError:
-        raise ValueError(f"README has no {BEGIN} ... {END} section") from None
+    return _split_readme(text)[1]
 
 
 def write_readme(readme: Path = README) -> bool:
     """Rewrite the tables between the README's markers; True if they changed."""
-    text = readme.read_text(encoding="utf-8")
-    old = readme_section(text)
+    head, old, tail = _split_readme(readme.read_text(encoding="utf-8"))
     new = readme_tables()
     if old == new:
         return False
-    head, rest = text.split(BEGIN + "\n", 1)
-    readme.write_text(head + BEGIN + "\n" + new + END + rest.split(END, 1)[1], encoding="utf-8")
+    readme.write_text(head + new + tail, encoding="utf-8")
     return True
 
 

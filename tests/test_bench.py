@@ -304,7 +304,7 @@ def test_readme_tables_equal_what_report_builds_from_the_kept_results() -> None:
     cannot drift (rebuild with ``python benchmarks/report.py --readme --write``)."""
     readme = (BENCH_DIR.parent / "README.md").read_text(encoding="utf-8")
     assert report.readme_section(readme) == report.readme_tables()
-    for _, _, names in report.README_RESULTS:
+    for _, names in report.README_RESULTS:
         for name in names:
             assert f"(benchmarks/results/{name}.json)" in readme
 
@@ -318,7 +318,7 @@ def test_readme_tables_from_a_results_file(tmp_path: Path) -> None:
             row["method"] = "la"  # the README's lookahead column: the defaults' entry
     results["rows"].append({**results["rows"][1], "pass": "1", "ratio": 9.0})  # --repeat
     (tmp_path / "run.json").write_text(json.dumps(results))
-    text = report.readme_tables(tmp_path, [("Test CPU in full", "Test CPU", ["run"])])
+    text = report.readme_tables(tmp_path, [("Test CPU", ["run"])])
     lines = text.splitlines()
     assert lines[0] == report.README_HEADER and lines[1].count("---") == 10
     link = "[0123456](benchmarks/results/run.json)"
