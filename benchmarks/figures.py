@@ -16,7 +16,6 @@ ARMS = ("tree", "pool", "off")
 M_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 M_DRAFTS = "vllm:spec_decode_num_drafts"
 M_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
-M_GENERATED = "vllm:generation_tokens"
 M_ITERATIONS = "vllm:iteration_tokens_total"  # histogram: count = engine steps
 # Histograms observed once per request per engine step that gave it tokens
 # (its first, then every later one): their counts add up to request-steps.

@@ -1,8 +1,14 @@
 """What a run reports: the printed table, the results JSON and the machine
-information recorded in it."""
+information recorded in it; and the README's result tables, rebuilt from the
+kept results files::
+
+    python benchmarks/report.py --readme            # print the tables
+    python benchmarks/report.py --readme --write    # rewrite them in README.md
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -15,6 +21,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+REPO = Path(__file__).resolve().parent.parent  # the checkout (git commit in the JSON)
+if str(REPO) not in sys.path:  # run as a script from a checkout without an install
+    sys.path.append(str(REPO))
+
 # CPU seconds all processes have spent busy (/proc/stat): the same figure the
 # plugin's cost measurement checks other load with.
 from vllm_lookahead.planner.cost_model import machine_busy_s
@@ -22,7 +32,6 @@ from vllm_lookahead.planner.cost_model import machine_busy_s
 from figures import ARMS, NOISY_OTHER_LOAD, SOURCES, _group_key, noisy_rows
 from plot import render_plot
 
-REPO = Path(__file__).resolve().parent.parent  # the checkout (git commit in the JSON)
 # CPU features that decide what a query token costs (recorded with results).
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 
@@ -300,3 +309,159 @@ def other_load_now(seconds: float = 1.0) -> float | None:
     time.sleep(seconds)
     others = machine_busy_s() - before - (time.process_time() - own)
     return max(0.0, others / seconds)
+
+
+# --------------------------------------------------------------------------
+# The README's result tables
+# --------------------------------------------------------------------------
+
+RESULTS_DIR = REPO / "benchmarks" / "results"
+README = REPO / "README.md"
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+
+#: One README table per CPU kind (2 vCPUs each): the CPU column's text and the
+#: kept results files (``benchmarks/results/NAME.json``) its rows come from.
+README_RESULTS: list[tuple[str, list[str]]] = [
+    ("Xeon 6/207, no AMX", [  # Intel Xeon, family 6 model 207, avx512_bf16
+        "xeon_noamx_template24_s641_live_stop64",
+        "xeon_noamx_template24_structured_s640_stop65",
+        "xeon_noamx_n4_s638_stop65",
+        "xeon_noamx_n16_s636_stop65",
+    ]),
+    ("Xeon 6/167, AMX", [  # Intel Xeon, family 6 model 167, amx_bf16
+        "xeon_amx_greedy_d_stop52_s197",
+        "xeon_amx_template32_stop61_s263",
+        "xeon_amx_n4b1_stop61_s261",
+        "xeon_amx_n16b1_stop52_s191",
+    ]),
+    ("EPYC Zen 3, AVX2", [  # AMD EPYC, family 25 model 1, AVX2 only
+        "epyc_zen3_repeat24_stop59_s251",
+        "epyc_zen3_template_structured_stop57_s244",
+        "epyc_zen3_n4_stop60_s242",
+        "epyc_zen3_n16_stop57_s241",
+    ]),
+    ("EPYC Zen 4", [  # AMD EPYC, family 25 model 17, avx512_bf16
+        "zen4_greedy_d_stop45_seed106",
+        "zen4_template32_stop45_seed108",
+        "zen4_n4b1_24_stop45_seed103",
+        "zen4_n16b1_16_stop44_seed98",
+    ]),
+    ("EPYC Zen 5", [  # AMD EPYC, family 26 model 2, avx512_bf16
+        "zen5_greedy_d_stop53_s212",
+        "zen5_template32_stop53_s210",
+        "zen5_n4b1_stop55_s223",
+        "zen5_n16b1_stop56_s231",
+    ]),
+]
+
+README_MODELS = {"smollm2": "SmolLM2-135M", "qwen-coder": "Qwen2.5-Coder-0.5B"}
+README_DATASETS = {"humaneval": "HumanEval", "mtbench": "MT-Bench", "template": "template"}
+README_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+#: The compared methods, by their entry in ``--methods``: the table's columns.
+README_METHODS = (("la", "lookahead"), ("ngram", "`ngram`"), ("suffix", "`suffix`"))
+README_HEADER = ("| CPU | model | dtype | batch | set (prompts) | sampling | "
+                 + " | ".join(name for _, name in README_METHODS) + " | run |")
+
+
+def _readme_cell(row: dict[str, Any] | None) -> str:
+    """A method's cell: ratio to vanilla's tokens/s (tokens per step)."""
+    if row is None or row.get("error") or row.get("ratio") is None:
+        return "-"
+    return f"{row['ratio']:.2f} ({row['step_compression']:.2f})"
+
+
+def _readme_sampling(row: dict[str, Any]) -> str:
+    t = row.get("temperature") or 0.0
+    parts = ["greedy" if t == 0 else f"T {t:g}, top-p {row.get('top_p', 1.0):g}"]
+    if row.get("seed") is not None:
+        parts.append("seeded")
+    if row.get("structured"):
+        parts.append("JSON schema")
+    if (row.get("repeat") or 1) != 1:
+        parts.append(f"asked {row['repeat']}x")
+    return ", ".join(parts)
+
+
+def readme_rows(results: dict[str, Any], cpu: str, link: str) -> list[str]:
+    """One table line per (model, dtype, dataset, batch size) of a results
+    file, by batch size and then dataset: the CPU, model, dtype, batch
+    (``b x n samples`` with ``--n``), set, sampling, each compared method's
+    cell and ``link``."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for row in results.get("rows", []):
+        if row.get("pass"):  # --repeat: the overall row only
+            continue
+        key = (row["model"], row["dtype"], row["dataset"], row["batch_size"])
+        groups.setdefault(key, {})[row.get("method", "?")] = row
+    order = list(README_DATASETS)
+    lines = []
+    for (model, dtype, dataset, bs), by_method in sorted(
+            groups.items(), key=lambda g: (g[0][3], order.index(g[0][2])
+                                           if g[0][2] in order else len(order))):
+        first = next(iter(by_method.values()))
+        n = first.get("n") or 1
+        batch = f"{bs} x {n} samples" if n > 1 else str(bs)
+        cells = [cpu, README_MODELS.get(model, model), README_DTYPES.get(dtype, dtype), batch,
+                 f"{README_DATASETS.get(dataset, dataset)} ({first.get('n_prompts', '?')})",
+                 _readme_sampling(first),
+                 *(_readme_cell(by_method.get(method)) for method, _ in README_METHODS), link]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def readme_tables(results_dir: Path = RESULTS_DIR,
+                  tables: Sequence[tuple[str, Sequence[str]]] = README_RESULTS) -> str:
+    """The README's result tables (what goes between its markers), built from
+    the results files in ``results_dir``."""
+    out: list[str] = []
+    for cpu, names in tables:
+        out += [README_HEADER, "|" + "---|" * README_HEADER.count(" | ") + "---|"]
+        for name in names:
+            results = json.loads((results_dir / f"{name}.json").read_text(encoding="utf-8"))
+            commit = ((results.get("meta") or {}).get("git_commit") or "run")[:7]
+            out += readme_rows(results, cpu, f"[{commit}](benchmarks/results/{name}.json)")
+        out.append("")
+    return "\n".join(out) + "\n"  # a blank line after each table
+
+
+def _split_readme(text: str) -> tuple[str, str, str]:
+    """A README's ``text`` as (up to its begin marker's line, the tables, from
+    its end marker on)."""
+    head, begin, rest = text.partition(BEGIN + "\n")
+    tables, end, tail = rest.partition(END)
+    if not begin or not end:
+        raise ValueError(f"README has no {BEGIN} ... {END} section")
+    return head + begin, tables, end + tail
+
+
+def readme_section(text: str) -> str:
+    """What lies between the results markers of a README's ``text``."""
+    return _split_readme(text)[1]
+
+
+def write_readme(readme: Path = README) -> bool:
+    """Rewrite the tables between the README's markers; True if they changed."""
+    head, old, tail = _split_readme(readme.read_text(encoding="utf-8"))
+    new = readme_tables()
+    if old == new:
+        return False
+    readme.write_text(head + new + tail, encoding="utf-8")
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--readme", action="store_true", required=True,
+                   help="the README's result tables from benchmarks/results/")
+    p.add_argument("--write", action="store_true",
+                   help="rewrite them in README.md between the results markers")
+    args = p.parse_args(argv)
+    if args.write:
+        print("README.md " + ("rewritten" if write_readme() else "already up to date"))
+    else:
+        print(readme_tables(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

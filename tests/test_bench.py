@@ -294,6 +294,62 @@ def test_machine_info() -> None:
         assert key in info
 
 
+# --------------------------------------------------------------------------
+# The README's result tables (report.py --readme)
+# --------------------------------------------------------------------------
+
+
+def test_readme_tables_equal_what_report_builds_from_the_kept_results() -> None:
+    """The README's tables are report.py's, from the committed files: they
+    cannot drift (rebuild with ``python benchmarks/report.py --readme --write``)."""
+    readme = (BENCH_DIR.parent / "README.md").read_text(encoding="utf-8")
+    assert report.readme_section(readme) == report.readme_tables()
+    for _, names in report.README_RESULTS:
+        for name in names:
+            assert f"(benchmarks/results/{name}.json)" in readme
+
+
+def test_readme_tables_from_a_results_file(tmp_path: Path) -> None:
+    results = _fake_results()
+    results["meta"]["git_commit"] = "0123456789abcdef"
+    for row in results["rows"]:
+        row.update(temperature=0.8, top_p=0.95, n=4, seed=None)
+        if row["method"] == "la:4,5,5":
+            row["method"] = "la"  # the README's lookahead column: the defaults' entry
+    results["rows"].append({**results["rows"][1], "pass": "1", "ratio": 9.0})  # --repeat
+    (tmp_path / "run.json").write_text(json.dumps(results))
+    text = report.readme_tables(tmp_path, [("Test CPU", ["run"])])
+    lines = text.splitlines()
+    assert lines[0] == report.README_HEADER and lines[1].count("---") == 10
+    link = "[0123456](benchmarks/results/run.json)"
+    # batch 1 before batch 4, HumanEval before MT-Bench; ngram failed, no suffix row
+    assert lines[2:6] == [
+        f"| Test CPU | SmolLM2-135M | bf16 | {bs} x 4 samples | {ds} (8) | T 0.8, top-p 0.95 "
+        f"| 1.30 (2.40) | - | - | {link} |"
+        for bs, ds in ((1, "HumanEval"), (1, "MT-Bench"), (4, "HumanEval"), (4, "MT-Bench"))]
+    assert lines[6:] == [""] and text.endswith(" |\n\n")  # a blank line after the table
+
+
+def test_readme_sampling_text() -> None:
+    assert report._readme_sampling({"temperature": 0.0}) == "greedy"
+    assert report._readme_sampling({"temperature": 0.8, "top_p": 0.95, "seed": 3,
+                                    "structured": True, "repeat": 2}) == \
+        "T 0.8, top-p 0.95, seeded, JSON schema, asked 2x"
+
+
+def test_write_readme_rewrites_only_between_the_markers(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"head\n{report.BEGIN}\nstale\n{report.END}\ntail\n")
+    assert report.write_readme(readme) is True
+    text = readme.read_text()
+    assert text.startswith(f"head\n{report.BEGIN}\n") and text.endswith(f"{report.END}\ntail\n")
+    assert report.readme_section(text) == report.readme_tables()
+    assert report.write_readme(readme) is False
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="results:begin"):
+        report.write_readme(readme)
+
+
 def test_fixed_flag_and_arm_share_column():
     assert methods.parse_method("la:4,3,3,fixed").spec["adaptive"] is False
     assert methods.parse_method("la:adaptive").spec == {"method": "lookahead", "adaptive": True}
