@@ -550,10 +550,12 @@ def test_unavailable_suffix_is_skipped_with_a_line(capsys) -> None:
     assert methods.suffix_unavailable() is None or isinstance(methods.suffix_unavailable(), str)
 
 
-def test_the_default_model_is_qwen_coder_and_engines_take_turns() -> None:
+def test_defaults_vanilla_ngram_suffix_and_lookahead_on_qwen_coder_taking_turns() -> None:
     args = bench.build_parser().parse_args([])
     assert args.models == ["qwen-coder"]
     assert args.interleave and not args.one_process
+    assert [m.kind for m in methods.parse_methods(args.methods)] == [
+        "vanilla", "ngram", "suffix", "lookahead"]
 
 
 def test_bench_and_demo_scripts_are_valid_bash() -> None:
