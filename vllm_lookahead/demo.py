@@ -149,14 +149,12 @@ def _run(args, bar_file: TextIO) -> tuple[list[str], dict]:
 
     auto = args.dtype == "auto"
     setup_steps = 6 if auto else 4  # model, vanilla engine(s), timing, lookahead, warm-up
-    bar = tqdm(total=setup_steps + 2 * args.prompts, unit="step", file=bar_file,
+    bar = tqdm(total=setup_steps + 2 * args.prompts, desc="preparing SmolLM2-135M-Instruct",
+               unit="step", file=bar_file,
                bar_format="{desc:<40} {bar} {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
-
-    def stage(desc: str) -> None:
-        bar.set_description_str(desc)
+    stage = bar.set_description_str
 
     with bar:
-        stage("preparing SmolLM2-135M-Instruct")
         from transformers import AutoTokenizer
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -229,6 +227,8 @@ def _run(args, bar_file: TextIO) -> tuple[list[str], dict]:
     cfg = stats["config"]
     src = stats["accepted_by_source"]
     preload = os.environ.get("LD_PRELOAD", "")
+    shapes = sorted(stats["shape_steps"].items(), key=lambda kv: -kv[1])
+    forwards = 1 + stats["pass_requests"] / max(stats["decode_steps"], 1)
     lines = [
         "",
         f"SmolLM2-135M-Instruct, {dtype}{choice}, batch size 1, greedy, "
@@ -247,10 +247,9 @@ def _run(args, bar_file: TextIO) -> tuple[list[str], dict]:
         f"accepted tokens: {stats['accepted_tokens']} (window n-grams {src['window']}, "
         f"prompt/context n-grams {src['prompt']}, other requests' text (shared memory) "
         f"{src.get('memory', 0)}, model's own prediction {src['model']})",
-        "planner shapes (request-steps): " + ", ".join(
-            f"{k} {v}" for k, v in sorted(stats["shape_steps"].items(), key=lambda kv: -kv[1])[:6]),
-        f"target forwards per step: {1 + stats['pass_requests'] / max(stats['decode_steps'], 1):.2f} "
-        f"(fused: 1, catch-ups included; separate: 2); tokens per forward {stats['tokens_per_forward']:.2f}",
+        "planner shapes (request-steps): " + ", ".join(f"{k} {v}" for k, v in shapes[:6]),
+        f"target forwards per step: {forwards:.2f} (fused: 1, catch-ups included; "
+        f"separate: 2); tokens per forward {stats['tokens_per_forward']:.2f}",
         "identical to vanilla: "
         + ", ".join(f"{n} {s}/{t}" for n, (s, t) in per_set.items())
         + ("" if dtype == "float32" else
