@@ -5,6 +5,7 @@ One command compares, in one run on one machine, the same models, dtypes,
 prompt sets and batch sizes across speculative methods, and writes a table,
 a JSON file with every figure and a plot::
 
+    bash scripts/bench.sh     # Qwen2.5-Coder-0.5B: vanilla, ngram, suffix, lookahead
     bash scripts/bench.sh --models smollm2 qwen-coder --dtypes bfloat16 float32 \\
         --datasets humaneval mtbench --prompts 8 --batch-sizes 1 4 16 \\
         --methods vanilla ngram la:4,5,5 la:4,5,5,nopool la:4,5,5,separate la:5,7,7
@@ -45,7 +46,7 @@ from methods import (  # noqa: E402
     parse_methods,
     suffix_unavailable,
 )
-from prompts import DATASETS, DEFAULT_DATASETS, MODEL_NAMES  # noqa: E402
+from prompts import DATASETS, DEFAULT_DATASETS, DEFAULT_MODEL, MODEL_NAMES  # noqa: E402
 from report import REPO, report  # noqa: E402
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "latest.json"
@@ -68,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                "e.g. --methods vanilla ngram suffix la:4,5,5 la:4,5,5,nopool "
                "la:4,5,5,mode=separate la:5,7,7",
     )
-    p.add_argument("--models", nargs="+", default=["smollm2"], choices=MODEL_NAMES,
-                   help="smollm2 and/or qwen-coder (default: smollm2)")
+    p.add_argument("--models", nargs="+", default=[DEFAULT_MODEL], choices=MODEL_NAMES,
+                   help="qwen-coder (Qwen2.5-Coder-0.5B-Instruct) and/or smollm2 "
+                        "(SmolLM2-135M-Instruct) (default: qwen-coder)")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16"],
                    choices=["bfloat16", "float32"])
     p.add_argument("--datasets", nargs="+", default=list(DEFAULT_DATASETS), choices=DATASETS,

@@ -29,10 +29,10 @@ from figures import (
 )
 from methods import Method
 from prompts import _prepare_model, template_schema
+from report import _elapsed, _short_error, _write_json_out, machine_info, other_load_now
 
 #: This project's entry in pyproject.toml's [project.entry-points."vllm.general_plugins"].
 PLUGIN_NAME = "lookahead"
-from report import _elapsed, _short_error, _write_json_out, machine_info, other_load_now
 
 
 @dataclass

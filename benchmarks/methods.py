@@ -9,7 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DEFAULT_METHODS = ["vanilla", "ngram", "la:4,5,5", "la:4,5,5,nopool", "la:5,7,7"]
+# vLLM's own speculative methods that need no draft model, and lookahead at
+# the plugin's defaults
+DEFAULT_METHODS = ["vanilla", "ngram", "suffix", "la"]
 
 # vLLM's ngram (prompt lookup) proposer: drafts up to K tokens copied from the
 # longest earlier match of the last 2..4 tokens. K = 4 equals lookahead's

@@ -22,6 +22,7 @@ from typing import Any
 DATASETS = ("humaneval", "mtbench", "template")
 DEFAULT_DATASETS = ("humaneval", "mtbench")
 MODEL_NAMES = ("smollm2", "qwen-coder")  # vllm_lookahead.tools.MODELS
+DEFAULT_MODEL = "qwen-coder"
 
 #: The JSON fields the ``template`` set asks for, with the JSON schema of
 #: each (``--structured`` constrains the output to exactly this object).

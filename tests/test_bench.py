@@ -606,6 +606,25 @@ def test_unavailable_suffix_is_skipped_with_a_line(capsys) -> None:
     assert methods.suffix_unavailable() is None or isinstance(methods.suffix_unavailable(), str)
 
 
+def test_defaults_vanilla_ngram_suffix_and_lookahead_on_qwen_coder_taking_turns() -> None:
+    args = bench.build_parser().parse_args([])
+    assert args.models == ["qwen-coder"]
+    assert args.interleave and not args.one_process
+    assert [m.kind for m in methods.parse_methods(args.methods)] == [
+        "vanilla", "ngram", "suffix", "lookahead"]
+
+
+def test_bench_and_demo_scripts_are_valid_bash() -> None:
+    import subprocess
+
+    for name in ("bench.sh", "demo.sh", "cpu_env.sh", "setup.sh"):
+        script = BENCH_DIR.parent / "scripts" / name
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, name
+    # bench.sh prepares the default model itself, with the tools' command line
+    assert "-m vllm_lookahead.tools qwen-coder" in (
+        BENCH_DIR.parent / "scripts" / "bench.sh").read_text()
+
+
 def test_sampling_defaults_are_greedy_single_unseeded() -> None:
     args = bench.build_parser().parse_args([])
     assert (args.temperature, args.top_p, args.n, args.seed, args.repeat, args.structured) == (
