@@ -747,35 +747,8 @@ def test_samples_of_one_parent_are_planned_by_who_ends_last():
     for r in live:
         r.state.seeded = True
     assert step._weights(live, 3) == (None, set())
-    assert step._weights(live, 3, closed=True) == (None, set())
     live[2].state.seeded = False  # an unseeded request beside them: taken
     assert step._weights(live, 3)[0] is not None
-
-
-def test_a_closed_batch_is_planned_for_its_end():
-    """``batch_end``: where nothing waits (the proposer passes ``closed``),
-    the batch's requests, unrelated ones too, are planned as the samples of
-    one parent: the one far behind ends the batch, the ones ahead only free
-    their slots. Not closed, or a request without an output cap, or
-    ``batch_end`` off: each request is worth its own tokens (weights None)."""
-    step, stats, prior, text, tokens = _planned_step(0.9, 0.001, rows=3, batch_end=True)
-    # unrelated requests
-    live = [Live(i, s, len(text), 3, [])
-            for i, s in enumerate(_capped_states(prior, tokens, text, (1, 9, 8), (None,) * 3))]
-    assert step._weights(live, 3) == (None, set())
-    w, planned = step._weights(live, 3, closed=True)
-    assert planned == {0, 1, 2}
-    slot = drain_value(step.planner.cost, 3, 3)
-    assert 1.6 < w[0] <= end_value(step.planner.cost, 3, 3)  # 15 left against 7 and 8
-    assert slot <= w[1] < 0.05 + slot and slot <= w[2] < 0.05 + slot
-    drafts, _ = step.run(live, 3, 3, 3, True, tokens, lambda rows: [], closed=True)
-    assert drafts[0] == [6, 9, 4] and drafts[1] == []  # the one furthest ahead: off
-    assert stats.sibling_steps == 3 and stats.sibling_ahead_steps == 2
-    drafts, _ = step.run(live, 3, 3, 3, False, tokens, lambda rows: [])
-    assert drafts == [[6, 9, 4]] * 3  # each for its own end: all draft
-    # one request without a cap: the batch's end is unknown
-    live[2].state.max_tokens = None
-    assert step._weights(live, 3, closed=True) == (None, set())
 
 
 def test_a_step_prices_the_bonus_rows_only_where_every_request_allows_them():

@@ -17,8 +17,6 @@ from vllm_lookahead.algo.trees import TreeAsk, plan_trees
 from vllm_lookahead.planner.shapes import OFF, RequestView, Shape, draft_p
 from vllm_lookahead.planner.siblings import drain_value, end_value, sibling_rows, sibling_weights
 
-#: The parent of every request of a ``closed`` batch (:meth:`StepDrafter._weights`).
-_WHOLE_BATCH = object()
 #: A catch-up step drafts its lookup while the next token is expected to be
 #: accepted at least this often.
 CATCH_UP_DRAFT_P = 0.25
@@ -50,15 +48,14 @@ class StepDrafter:
         ``live``: the requests decoding with lookahead; ``num_decoding``: rows
         decoding; ``token_ids``: int [rows, >= n_tok]; ``run_trees``:
         ``[(row, PlannedTree)] -> [int [T] argmax per node]`` (separate
-        mode); ``closed``: plan the batch for its end; ``spec_k``,
-        ``joined``: unused."""
+        mode); ``spec_k``, ``joined``, ``closed``: unused."""
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         if self.disable_batch_size and num_decoding >= self.disable_batch_size:
             self.stats.steps_off += 1
             for r in live:
                 r.state.draft_sources, r.state.lookup = [], []
             live = []
-        by_row, planned_rows = self._weights(live, num_decoding, closed)
+        by_row, planned_rows = self._weights(live, num_decoding)
         if self.cfg.prompt_pool:
             for r in live:
                 r.state.add_context_ngrams(token_ids[r.i], r.state.settings.ngram_size, r.n_tok)
@@ -88,22 +85,19 @@ class StepDrafter:
         return drafts, planned
 
     # -- planning ------------------------------------------------------------
-    def _weights(self, everyone: list[Live], batch: int,
-                 closed: bool = False) -> tuple[dict[int, float] | None, set[int]]:
+    def _weights(self, everyone: list[Live],
+                 batch: int) -> tuple[dict[int, float] | None, set[int]]:
         """By row what a gained token is worth (:func:`~.siblings.sibling_weights`;
-        None: all 1) and the rows planned for their parent (``closed``: the
-        whole batch is one, where every request has an output cap)."""
-        closed = (closed and len(everyone) > 1
-                  and all(r.state.max_tokens is not None for r in everyone))
-        if self.planner is None or not everyone or not closed and (
-                not self.cfg.parent_latency or not any(r.state.group for r in everyone)):
+        None: all 1) and the rows planned for their parent."""
+        if (self.planner is None or not self.cfg.parent_latency
+                or not any(r.state.group for r in everyone)):
             return None, set()
         if all(r.state.seeded for r in everyone):  # sized from their own text
             return None, set()
         groups, remaining, draws = [], [], []
         for r in everyone:
             st = r.state
-            groups.append(_WHOLE_BATCH if closed else st.group)
+            groups.append(st.group)
             remaining.append(None if st.max_tokens is None
                              else st.max_tokens - (r.n_tok - st.num_prompt_tokens))
             # its typical draft: its last lookup's kind, N - 1 tokens
