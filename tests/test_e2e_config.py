@@ -37,7 +37,6 @@ def test_engine_args_accept_lookahead(tiny_model_path):
         "mode": "fused", "max_tree_tokens": 0, "disable_batch_size": None,
         "adaptive": True, "cost_model": "auto", "shared_memory": True, "memory_tokens": 131072,
         "lookup_len": 0, "parent_latency": True, "learn_step_cost": "auto",
-        "min_draft_p": 0.0,
         "seeded_batch": 0,
     }
     assert args.speculative_config == spec  # the user's dict is left as given

@@ -903,37 +903,15 @@ def test_a_tree_that_gains_nothing_is_not_planned_where_drafts_look_cheap():
     assert planner.plan([v])[0].kind == "off"
 
 
-# -- min_draft_p: a floor under what a draft token may be worth ---------------------
-def test_draft_cap_is_where_the_whole_draft_falls_below_the_floor():
-    planner = Planner(model(gpu))
-    planner.min_draft_p = 0.1
-    assert planner.draft_cap(0.5) == 3  # 0.5^3 = 0.125 >= 0.1 > 0.0625
-    assert planner.draft_cap(0.8) == 10  # 0.8^10 = 0.107
-    assert planner.draft_cap(0.1) == 1
-    assert planner.draft_cap(0.05) == 0  # not even the first token
-    assert planner.draft_cap(1.0) >= 1 << 20  # sure tokens: no cap
-    planner.min_draft_p = 0.0
-    assert planner.draft_cap(0.05) >= 1 << 20  # off
-
-
-def test_min_draft_p_caps_the_drafts_weighed_even_where_tokens_are_free():
+def test_free_draft_tokens_draft_the_whole_lookup():
     """On a machine where draft tokens cost nothing (the GPU curve) the
-    planner drafts the whole lookup; with the floor it weighs no draft
-    longer than the floor allows (here 3 tokens at p 0.5), and none at all
-    where the first token is below it."""
+    planner drafts the whole lookup at p 0.5; a seeded request's draft
+    (from the start-up curve alone) is 2 tokens of 8 there."""
     acc = acceptance(p_unchecked=0.5, tree_by_g=[0.0] * 8, window_extra=0.0)
     planner = Planner(model(gpu))
-    v = view(acc, unchecked=8, room=8, trees=False)
-    free = planner.plan([v])
+    free = planner.plan([view(acc, unchecked=8, room=8, trees=False)])
     assert free[0].kind == "draft" and free[0].draft == 8
-    planner.min_draft_p = 0.1
-    p = v.draft_p()
-    capped = planner.plan([v])
-    assert capped[0].kind == "draft" and capped[0].draft == planner.draft_cap(p) == 3
-    assert all(s.draft <= 3 for s in planner.shapes(v, 1))
-    low = view(acceptance(p_unchecked=0.05, tree_by_g=[0.0] * 8, window_extra=0.0),
-               unchecked=8, room=8, trees=False)
-    assert [s.kind for s in planner.shapes(low, 1)] == ["off"]
+    assert planner.steady_draft(acc, "suffix4", 8) == 2
 
 
 def test_a_seeded_draft_is_priced_in_the_batch_fixed_at_its_start():
@@ -980,17 +958,6 @@ def test_a_seeded_requests_batch_is_its_parents_n_or_the_setting():
     assert seeded_batch(params(None), 0, 256) == 1
     assert seeded_batch(params({SAMPLES_KEY: "x"}), 0, 256) == 1
     assert seeded_batch(params({}), 2, 256) == 2
-
-
-def test_min_draft_p_caps_a_seeded_requests_draft_too():
-    """A seeded request's draft (priced from the start-up curve alone) is
-    held to the same floor, from its own acceptance: the same on every run."""
-    acc = acceptance(p_unchecked=0.5, tree_by_g=[0.0] * 8, window_extra=0.0)
-    planner = Planner(model(gpu))
-    assert planner.steady_draft(acc, "suffix4", 8) == 2
-    planner.min_draft_p = 0.3  # 0.5^2 = 0.25 below it
-    assert planner.draft_cap(0.5) == 1
-    assert planner.steady_draft(acc, "suffix4", 8) == 1
 
 
 def test_the_engine_learns_a_kind_that_never_pays_from_few_probes():

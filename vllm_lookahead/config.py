@@ -28,6 +28,7 @@ COST_MODEL_CHOICES = ("auto", "measure", "off")
 REMOVED = {
     "batch_end": "the planner plans each request for its own end, a parent's samples for the "
                  "parent's (parent_latency)",
+    "min_draft_p": "the planner weighs every draft length by its expected tokens per second",
 }
 
 
@@ -55,7 +56,7 @@ class LookaheadConfig:
     parent_latency: bool = True  # plan n samples for the parent's end
     batch_end: None = None  # removed (REMOVED): fails if given
     learn_step_cost: bool | str = "auto"  # learn draft costs from steps ("auto": 8+ requests)
-    min_draft_p: float = 0.0  # cut an unchecked draft where p^k falls below (0: off)
+    min_draft_p: None = None  # removed (REMOVED): fails if given
     seeded_batch: int = 0  # the batch a seeded draft is priced in (0: its n)
 
     def __post_init__(self) -> None:
@@ -77,9 +78,6 @@ class LookaheadConfig:
                 _fail(name, f"one of {list(COST_MODEL_CHOICES)} or an existing file", repr(value))
             elif name == "learn_step_cost" and not (isinstance(value, bool) or value == "auto"):
                 _fail(name, 'a boolean (true/false) or "auto"', repr(value))
-            elif name == "min_draft_p" and (isinstance(value, bool) or not isinstance(
-                    value, (int, float)) or not 0.0 <= value <= 1.0):
-                _fail(name, "a number in [0, 1]", repr(value))
             elif name in REMOVED and value is not None:
                 raise LookaheadConfigError(
                     f"speculative_config['{name}'] was removed in 0.2.0: {REMOVED[name]}")

@@ -10,8 +10,6 @@ with the others off are not searched. Pure Python.
 
 from __future__ import annotations
 
-import math
-
 from vllm_lookahead.planner.acceptance import RequestAcceptance
 from vllm_lookahead.planner.shapes import (  # noqa: F401 (re-exported)
     OFF, RequestView, Shape, _shape, _tree_table, bonus_saving, draft_lengths, draft_p,
@@ -61,18 +59,6 @@ class Planner:
         self.horizon = float(TREE_HORIZON)
         #: draft rows past the first rejection cost nothing (patch 15, CPU)
         self.lazy_verify = False
-        #: ``LookaheadConfig.min_draft_p`` (:meth:`draft_cap`)
-        self.min_draft_p = 0.0
-
-    def draft_cap(self, p: float) -> int:
-        """The longest draft weighed at acceptance ``p``: the largest k with
-        ``p^k >= min_draft_p`` (no cap at 0)."""
-        floor = self.min_draft_p
-        if floor <= 0.0 or p >= 1.0:
-            return 1 << 30
-        if p < floor:
-            return 0
-        return int(math.log(floor) / math.log(p) + 1e-9)
 
     # -- what the cost model measured (nothing where it has no such figure) --------
     def verify(self, batch: int, sampled: bool, seeded: bool = False) -> tuple[float, float]:
@@ -111,7 +97,7 @@ class Planner:
                              extra_s=v.verify_s(k, v.draft_p())))
         elif v.unchecked > 0:
             p = v.draft_p()
-            for k in draft_lengths(min(v.unchecked, v.room, self.draft_cap(p))):
+            for k in draft_lengths(min(v.unchecked, v.room)):
                 out.append(Shape("draft", draft=k, tokens=1 + acc.unchecked_gain(k, v.lookup_kind),
                                  extra_s=v.verify_s(k, p)))
         if not v.trees:
@@ -149,7 +135,7 @@ class Planner:
             first, nxt = one * self.SEEDED_FIRST, one * self.SEEDED_NEXT
         best, best_rate = 0, b / max(plain(b, 1), 1e-12)
         p = draft_p(acc, kind)
-        for k in range(1, min(k_max, self.draft_cap(p)) + 1):
+        for k in range(1, k_max + 1):
             verify = verify_seconds((first, nxt), k,
                                     verified_rows(k, p) if self.lazy_verify else None)
             rate = (b + acc.unchecked_gain(k, kind)) / max(plain(b, 1 + k / b) + verify, 1e-12)
