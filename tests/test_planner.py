@@ -18,6 +18,7 @@ from vllm_lookahead.planner.acceptance import (
     AcceptancePrior,
     RequestAcceptance,
     geometric_gain,
+    window_root,
 )
 from vllm_lookahead.planner.cost_cache import CostCache, cache_key, load_curve
 from vllm_lookahead.planner.cost_model import CostCurve, CostModel, bucket_of, measure_curve
@@ -72,6 +73,11 @@ def rate(planner, shapes):
 def unpruned(monkeypatch):
     """Plans of every planner weigh every shape of every request."""
     monkeypatch.setattr(Planner, "_prune", lambda self, views, options, *a: options)
+
+
+def tree_gain(acc, g, window):
+    """Tokens confirmed by a tree of ``g`` candidates and ``window`` of the columns."""
+    return acc.tree_gains(((g, window_root(window)),))[0]
 
 
 def view(acc, chain=0, unchecked=4, n=5, w=7, g=8, room=5, **kw):
@@ -374,17 +380,17 @@ def test_tree_counterfactuals_and_relaxing():
     for _ in range(60):
         # candidate 2 (a window n-gram) confirms 3 tokens, text candidates 0/1
         acc.observe_tree([0, 1, 3], [False, False, True], window_on=True)
-    assert acc.tree_gain(1, False) == pytest.approx(0.0, abs=0.05)
-    assert acc.tree_gain(2, False) == pytest.approx(1.0, abs=0.05)
-    assert acc.tree_gain(2, True) == pytest.approx(3.0, abs=0.1)
+    assert tree_gain(acc, 1, False) == pytest.approx(0.0, abs=0.05)
+    assert tree_gain(acc, 2, False) == pytest.approx(1.0, abs=0.05)
+    assert tree_gain(acc, 2, True) == pytest.approx(3.0, abs=0.1)
     # without trees, the estimates drift back towards the engine's prior
     # (which other requests have since found better)
     prior.tree_cands = [1.0] * 4
-    low = acc.tree_gain(1, False)
+    low = tree_gain(acc, 1, False)
     for _ in range(200):
         acc.relax()
-    assert acc.tree_gain(1, False) > low + 0.3
-    assert abs(acc.tree_gain(1, False) - prior.tree_cands[0]) < 0.05
+    assert tree_gain(acc, 1, False) > low + 0.3
+    assert abs(tree_gain(acc, 1, False) - prior.tree_cands[0]) < 0.05
 
 
 def test_new_requests_start_from_the_engines_experience():
@@ -405,10 +411,10 @@ def test_nothing_is_pulled_towards_a_prior_never_measured():
     for _ in range(20):
         acc.observe_tree([2, 2], [False, False], window_on=0.0)
     prior.trees_seen = 0  # as if other requests had never run a tree
-    before = acc.tree_gain(2, 0.0)
+    before = tree_gain(acc, 2, 0.0)
     for _ in range(200):
         acc.relax()
-    assert acc.tree_gain(2, 0.0) == before
+    assert tree_gain(acc, 2, 0.0) == before
 
 
 def test_the_prior_forgets_its_assumed_start_fast():
@@ -421,12 +427,12 @@ def test_the_prior_forgets_its_assumed_start_fast():
     assert prior.tree_cands[0] < 0.25 * assumed  # a running mean, not a 2% EMA
 
 
-def test_tree_gains_in_one_pass_are_tree_gain_exactly():
+def test_tree_gains_in_one_pass_are_each_trees_exactly():
     """The planner prices its trees with ``tree_gains`` (one pass): the very
-    floats ``tree_gain`` gives, for every shape of an N, W, G, however the
-    estimates moved."""
-    from vllm_lookahead.planner.acceptance import window_root
-    from vllm_lookahead.planner.shapes import _tree_options, _tree_table
+    floats each tree alone gives, for every shape of an N, W, G (``_tree_table``),
+    however the estimates moved."""
+    from vllm_lookahead.attn_mask import tree_size
+    from vllm_lookahead.planner.shapes import _tree_table
 
     rng = np.random.default_rng(3)
     prior = AcceptancePrior(max_cands=4)
@@ -437,19 +443,21 @@ def test_tree_gains_in_one_pass_are_tree_gain_exactly():
         acc.relax()
         for n, w, g in ((3, 2, 2), (5, 4, 4), (4, 7, 3), (2, 0, 4), (4, 4, 6)):
             options, roots = _tree_table(n, w, g)
-            assert options == _tree_options(n, w, g)
+            assert all(nodes == tree_size(n, ww, gg) and (ww or gg) and ww <= w and gg <= g
+                       for ww, gg, nodes in options)
+            assert (w, g) in {(ww, gg) for ww, gg, _ in options} or w == g == 0
             cols = max(w, 1)
             assert roots == tuple((gg, window_root(ww / cols)) for ww, gg, _ in options)
-            assert acc.tree_gains(roots) == [acc.tree_gain(gg, ww / cols)
+            assert acc.tree_gains(roots) == [tree_gain(acc, gg, ww / cols)
                                              for ww, gg, _ in options]
 
 
 def test_window_gain_by_columns_and_harvest_credit():
     prior = AcceptancePrior(max_cands=2, tree_cands=[0.0, 0.0], tree_window=1.0)
     acc = RequestAcceptance(prior)
-    assert acc.tree_gain(0, 1.0) == pytest.approx(1.0)
-    assert acc.tree_gain(0, 0.25) == pytest.approx(0.5)  # sqrt of the share
-    assert acc.tree_gain(0, 0.0) == 0.0 and acc.tree_gain(0, True) == pytest.approx(1.0)
+    assert tree_gain(acc, 0, 1.0) == pytest.approx(1.0)
+    assert tree_gain(acc, 0, 0.25) == pytest.approx(0.5)  # sqrt of the share
+    assert tree_gain(acc, 0, 0.0) == 0.0 and tree_gain(acc, 0, True) == pytest.approx(1.0)
     # a quarter of the window confirmed 1 token beyond the text: 2 for all W
     for _ in range(80):
         acc.observe_tree([0, 1], [False, True], window_on=0.25)
@@ -543,7 +551,7 @@ def accepted_pmf(p, k):
 
 
 def test_sibling_weights_value_the_share_that_ends_the_parent():
-    from vllm_lookahead.planner.planner import sibling_weights
+    from vllm_lookahead.planner.siblings import sibling_weights
 
     def end(k):
         return 0.5 * k
@@ -758,7 +766,7 @@ def test_a_lazy_verifier_prices_the_rows_it_computes():
     by the rows expected, ``1 + p + ... + p^(k-1)``: a long draft of a
     likely lookup costs about what its accepted part does, and the planner
     drafts longer than where every row is computed."""
-    from vllm_lookahead.planner.planner import verified_rows
+    from vllm_lookahead.planner.shapes import verified_rows
 
     assert verified_rows(0, 0.5) == 0.0
     assert verified_rows(1, 0.5) == 1.0
@@ -784,7 +792,7 @@ def test_a_draft_rejected_anywhere_saves_its_lazy_bonus_row():
     where that row costs more than a draft token's forward (the CPU's
     full-vocabulary top-p sort), a draft of a poor guess pays, where it does
     not without the saving or where the bonus row is not lazy."""
-    from vllm_lookahead.planner.planner import bonus_saving, verified_rows
+    from vllm_lookahead.planner.shapes import bonus_saving, verified_rows
 
     assert bonus_saving(0.002, 0, 0.3) == 0.0
     assert bonus_saving(0.0, 3, 0.3) == 0.0
@@ -811,7 +819,7 @@ def test_a_tree_chain_is_priced_as_the_draft_it_hands_the_verifier():
     """A tree's steady state drafts its confirmed chain next step: a lazy
     sampled request's chain is priced by the rows expected at the checked
     chain's acceptance, less the bonus row it is expected to save."""
-    from vllm_lookahead.planner.planner import bonus_saving, verified_rows
+    from vllm_lookahead.planner.shapes import bonus_saving, verified_rows
 
     planner = Planner(CostModel(CostCurve.flat(0.03, 0.002)))
     acc = acceptance(**{**HIGH, "p_checked": 0.5})
@@ -899,7 +907,7 @@ def test_a_tree_that_gains_nothing_is_not_planned_where_drafts_look_cheap():
     assert cm.factors[(1, False)][3] == 0  # held at 0, not below
     acc = acceptance(p_unchecked=0.5, tree_by_g=[0.0] * 8, window_extra=0.0)
     v = RequestView(acc=acc, ngram_size=4, window_size=1, guess_set_size=0, room=4,
-                    trees=True, verify=planner.verify_seen(1, False))
+                    trees=True, verify=planner.cost.verify_seen(1, False))
     assert planner.plan([v])[0].kind == "off"
 
 
