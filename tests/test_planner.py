@@ -23,7 +23,7 @@ from vllm_lookahead.planner.acceptance import (
 from vllm_lookahead.planner.cost_cache import CostCache, cache_key, load_curve
 from vllm_lookahead.planner.cost_model import CostCurve, CostModel, bucket_of, measure_curve
 from vllm_lookahead.planner.planner import OFF, Planner, RequestView, Shape
-from vllm_lookahead.planner.siblings import drain_value, end_shares_many, end_value, slot_value
+from vllm_lookahead.planner.siblings import drain_value, end_shares_many, end_value
 
 # -- synthetic machines ----------------------------------------------------------
 STEP = 0.05  # seconds of a 1-token step
@@ -239,8 +239,10 @@ def test_shapes_left_out_of_the_search_could_never_pay(monkeypatch):
                               bonus=cost.bonus(batch, True) if lazy else 0.0,
                               switch=cost.switch(batch, sampled)))
 
+        idle = view(RequestAcceptance(prior), unchecked=0, room=0, trees=False)
+
         def plans(planner):
-            return planner.plan(views), [planner.plan([v], others=batch - 1) for v in views]
+            return planner.plan(views), [planner.plan([v] + [idle] * (batch - 1)) for v in views]
 
         pruned = Planner(cost, fused=fused)
         got = plans(pruned)
@@ -300,8 +302,9 @@ def test_drafts_that_pay_only_together_are_planned_together():
 
     # the step's only drafting one of 8 does not pay the switch; two cannot
     # share it enough
-    assert planner.plan([weak()], others=7) == [OFF]
-    assert planner.plan([weak(), weak()], others=6) == [OFF, OFF]
+    idle = view(RequestAcceptance(prior), unchecked=0, room=0, trees=False)
+    assert planner.plan([weak()] + [idle] * 7) == [OFF] * 8
+    assert planner.plan([weak(), weak()] + [idle] * 6) == [OFF] * 8
     plan = planner.plan([weak() for _ in range(8)])
     assert all(s.draft > 0 for s in plan), plan
     # and the plan found is worth more than every request off
@@ -699,16 +702,16 @@ def test_end_value_is_the_parents_last_step_at_the_plain_rate():
     assert end_value(model(gpu), 16, 4) == pytest.approx(4.0, rel=1e-6)
 
 
-def test_slot_value_is_the_marginal_request_at_the_plain_rate():
+def test_one_slots_value_is_the_marginal_request_at_the_plain_rate():
     def fn(total):  # a step of b requests costs 1 + 0.1 (b - 1) plain steps
         return 1.0 + 0.1 * (total - 1)
 
     planner = Planner(CostModel(curve_from(fn, tokens=(1, 2, 4))))
-    assert slot_value(planner.cost, 1) == 1.0
+    assert drain_value(planner.cost, 1, 1) == 1.0
     # b (c(b) - c(b-1)) / c(b) = 4 * 0.1 / 1.3
-    assert slot_value(planner.cost, 4) == pytest.approx(4 * 0.1 / 1.3, rel=1e-3)
+    assert drain_value(planner.cost, 4, 1) == pytest.approx(4 * 0.1 / 1.3, rel=1e-3)
     # a flat machine: a sample ahead frees nothing
-    assert slot_value(model(gpu), 4) == pytest.approx(0.0, abs=1e-9)
+    assert drain_value(model(gpu), 4, 1) == pytest.approx(0.0, abs=1e-9)
 
 
 def test_drain_value_is_the_mean_slot_over_the_parents_drain():
@@ -718,10 +721,10 @@ def test_drain_value_is_the_mean_slot_over_the_parents_drain():
     the full batch."""
     planner = Planner(CostModel(curve_from(math.sqrt, batches=(1, 2, 3, 4), tokens=(1, 2, 4))))
     # c(b) = sqrt(b): the last slot at 4 is 4 (2 - sqrt 3) / 2
-    assert slot_value(planner.cost, 4) == pytest.approx(2 * (2 - math.sqrt(3)), rel=1e-3)
+    assert drain_value(planner.cost, 4, 1) == pytest.approx(2 * (2 - math.sqrt(3)), rel=1e-3)
     # the 4 samples drain from 4 to 1: 4 (2 - 1) / (3 * 2)
     assert drain_value(planner.cost, 4, 4) == pytest.approx(4 / 6, rel=1e-3)
-    assert drain_value(planner.cost, 4, 1) == slot_value(planner.cost, 4)
+    assert drain_value(planner.cost, 4, 2) == drain_value(planner.cost, 4, 1)  # one slot
 
 
 def test_a_sample_ahead_of_its_siblings_drafts_only_where_a_slot_pays():
@@ -736,7 +739,7 @@ def test_a_sample_ahead_of_its_siblings_drafts_only_where_a_slot_pays():
     full = planner.plan([view(acc, unchecked=4, g=0, trees=False),
                          view(acc, unchecked=4, g=0, trees=False)])
     assert [s.kind for s in full] == ["draft", "draft"]
-    w = slot_value(planner.cost, 2)
+    w = drain_value(planner.cost, 2, 1)
     assert 0.0 < w < 0.5
     lag, ahead = planner.plan([view(acc, unchecked=4, g=0, trees=False, weight=1.0),
                                view(acc, unchecked=4, g=0, trees=False, weight=w)])

@@ -112,28 +112,24 @@ class Planner:
 
     # -- the batch -----------------------------------------------------------------
     def plan(self, views: list[RequestView], max_tree_tokens: int = 0,
-             others: int = 0, explore: bool = False) -> list[Shape]:
-        """One shape per view (``others``: more requests, off; ``explore``:
-        perhaps try a tree where the plan has none)."""
+             explore: bool = False) -> list[Shape]:
+        """One shape per view (``explore``: perhaps try a tree where the plan has none)."""
         r_n = len(views)
         if r_n == 0:
-            if explore and others > 0:  # still counts towards exploration's share
-                self.planned_s += self.cost.predict(others, 1.0, tree=False)
             return []
-        batch = r_n + max(others, 0)
-        options = [self.shapes(v, batch) for v in views]
+        options = [self.shapes(v, r_n) for v in views]
         memo: dict[tuple[int, bool, int], float] = {}
 
         def seconds(total_query: int, trees: int, drafting: int) -> float:
             key = (total_query, trees > 0, drafting)
             s = memo.get(key)
             if s is None:
-                s = memo[key] = self.cost.predict(batch, (total_query + batch - r_n) / batch,
-                                                  tree=trees > 0, drafting=drafting)
+                s = memo[key] = self.cost.predict(r_n, total_query / r_n, tree=trees > 0,
+                                                  drafting=drafting)
             return s
 
         switch = max(v.switch for v in views)
-        pays = self._bound(batch, r_n, seconds)
+        pays = self._bound(r_n, seconds)
         # requests whose drafts could pay beside another drafting one
         drafts_pay = [v.fixed is None and any(s.kind == "draft" and pays(v, s) for s in o)
                       for v, o in zip(views, options)]
@@ -142,13 +138,12 @@ class Planner:
         rows = [[(1 + d + nodes, kind == "tree", 1.0 + v.weight * (tokens - 1.0), extra_s,
                   d + nodes > 0, d > 0) for kind, d, _, _, nodes, tokens, extra_s in opts]
                 for v, opts in zip(views, searched)]
-        pick, rate = _search(rows, [0] * r_n, batch - r_n, seconds, memo, switch, self.sweeps)
+        pick, rate = _search(rows, [0] * r_n, seconds, memo, switch, self.sweeps)
         start = [int(d) for d in drafts_pay]
         if switch > 0 and sum(start) >= 2 and start != pick:
             # from all off the first to draft pays the switch alone: drafts
             # that pay only together need a start with them drafting
-            other, other_rate = _search(rows, start, batch - r_n, seconds, memo, switch,
-                                        self.sweeps)
+            other, other_rate = _search(rows, start, seconds, memo, switch, self.sweeps)
             if other_rate > rate * (1 + 1e-9):
                 pick = other
         chosen = [searched[r][pick[r]] for r in range(r_n)]
@@ -165,12 +160,12 @@ class Planner:
         return chosen
 
     @staticmethod
-    def _bound(batch: int, r_n: int, seconds):
+    def _bound(r_n: int, seconds):
         """``pays(view, shape)``: whether ``shape`` beats off with the others
         off, at the plain rate (the switch left out, shared). If not, the
         search never picks it: with others on, the rate is only higher."""
         plain = seconds(r_n, 0, 0)
-        lam = batch / plain
+        lam = r_n / plain
 
         def pays(v: RequestView, s: Shape) -> bool:
             sec = seconds(r_n - 1 + s.query, s.kind == "tree", int(s.query > 1)) - plain + s.extra_s
@@ -250,14 +245,13 @@ class Planner:
         return chosen
 
 
-def _search(rows, pick: list[int], others: int, seconds, memo: dict, switch: float,
+def _search(rows, pick: list[int], seconds, memo: dict, switch: float,
             sweeps: int) -> tuple[list[int], float]:
     """Coordinate ascent over ``rows`` (:meth:`Planner.plan`'s) from ``pick``:
     each request takes its best option given the others', for up to
     ``sweeps`` sweeps. Returns the picks and the plan's rate."""
     cur = [rows[r][j] for r, j in enumerate(pick)]
     q_tot, n_tree, tok, extra, n_draft, n_ver = (sum(c[i] for c in cur) for i in range(6))
-    tok += others  # the others: one token each
     for _ in range(sweeps):
         lam = tok / (seconds(q_tot, n_tree, n_draft) + extra + (switch if n_ver else 0.0))
         changed = False
