@@ -1312,7 +1312,7 @@ def _recorded_plans(tmp_path, monkeypatch):
                 acc=acc, ngram_size=4, window_size=3, guess_set_size=rng.randint(0, 3),
                 room=4, chain=rng.choice([0, 0, 3]), unchecked=rng.randint(0, 4),
                 verify=(0.0004, 0.0003), switch=0.001 * (step % 2)))
-        planner.plan(views, others=rng.randint(0, 3), explore=True)
+        planner.plan(views, explore=True)
     path = tmp_path / "plans.pkl"
     recorder.save(str(path))
     assert len(recorder.calls) == 12

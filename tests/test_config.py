@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from vllm_lookahead.config import (
+    REMOVED,
     LookaheadConfig,
     LookaheadConfigError,
     RequestSettings,
@@ -56,12 +57,10 @@ def test_defaults_valid():
     assert cfg.cost_model == "auto"
     assert cfg.shared_memory is True and cfg.memory_tokens == 131072
     assert cfg.parent_latency is True
-    assert cfg.batch_end is False
     assert cfg.seeded_batch == 0  # a seeded request's own n
-    assert set(cfg.field_names()) == set(RANGES) | {"prompt_pool", "mode", "adaptive",
-                                                    "cost_model", "shared_memory",
-                                                    "parent_latency", "batch_end", "learn_step_cost",
-                                                    "min_draft_p"}
+    assert set(cfg.field_names()) == set(RANGES) | set(REMOVED) | {
+        "prompt_pool", "mode", "adaptive", "cost_model", "shared_memory", "parent_latency",
+        "learn_step_cost"}
     assert LookaheadConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -460,10 +459,12 @@ def test_request_window_zero_needs_prompt_pool():
     assert request_settings({"lookahead": False}, engine).enabled is False
 
 
-def test_min_draft_p_is_a_share():
-    assert LookaheadConfig().min_draft_p == 0.0  # off; 0.1 is suffix decoding's min_token_prob
-    assert LookaheadConfig(min_draft_p=0).min_draft_p == 0
-    assert LookaheadConfig(min_draft_p=1).min_draft_p == 1
-    for bad in (-0.1, 1.5, "0.1", True, None):
-        with pytest.raises(LookaheadConfigError, match="min_draft_p"):
-            LookaheadConfig(min_draft_p=bad)
+def test_removed_settings_fail_at_start_naming_what_replaced_them():
+    assert set(REMOVED) == {"batch_end", "min_draft_p"}
+    for name in REMOVED:
+        assert name not in LookaheadConfig().to_dict()
+        for value in (False, True, 0):
+            with pytest.raises(LookaheadConfigError, match=f"'{name}'.* removed in 0.2.0: the "):
+                split_speculative_config({"method": "lookahead", name: value})
+            with pytest.raises(LookaheadConfigError, match=name):
+                LookaheadConfig.from_dict({name: value})

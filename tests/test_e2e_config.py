@@ -36,8 +36,7 @@ def test_engine_args_accept_lookahead(tiny_model_path):
         "ngram_size": 3, "window_size": 2, "guess_set_size": 1, "prompt_pool": True, "seed": 0,
         "mode": "fused", "max_tree_tokens": 0, "disable_batch_size": None,
         "adaptive": True, "cost_model": "auto", "shared_memory": True, "memory_tokens": 131072,
-        "lookup_len": 0, "parent_latency": True, "batch_end": False, "learn_step_cost": "auto",
-        "min_draft_p": 0.0,
+        "lookup_len": 0, "parent_latency": True, "learn_step_cost": "auto",
         "seeded_batch": 0,
     }
     assert args.speculative_config == spec  # the user's dict is left as given
@@ -65,6 +64,7 @@ def test_defaults_are_documented_values(tiny_model_path):
         ({"cost_model": "/no/such/curve.json"}, "cost_model"),
         ({"cost_model": 3}, "cost_model"),
         ({"min_draft_p": 2}, "min_draft_p"),
+        ({"batch_end": False}, "batch_end"),
     ],
 )
 def test_bad_settings_fail_at_start_naming_the_field(spec, field, tiny_model_path):

@@ -218,6 +218,12 @@ class _Curve:
     def predict(self, batch, tokens, tree=True, drafting=None):
         raise AssertionError("a seeded draft must not read corrected predictions")
 
+    def verify(self, batch, sampled, seeded=False):
+        return 0.0, 0.0  # not measured
+
+    def switch(self, batch, sampled, seeded=False):
+        return 0.0
+
 
 @pytest.mark.parametrize("p,per_token,expect", [
     (0.9, 0.01, 4),   # cheap tokens, good guesses: the whole draft
@@ -302,7 +308,7 @@ def test_lookups_draft_up_to_lookup_len_from_memory_and_own_text(look, room, k):
 
 
 def test_draft_lengths_weigh_every_short_length_then_a_ladder():
-    from vllm_lookahead.planner.planner import draft_lengths
+    from vllm_lookahead.planner.shapes import draft_lengths
 
     assert draft_lengths(0) == ()
     assert draft_lengths(3) == (1, 2, 3)

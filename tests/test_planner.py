@@ -18,11 +18,12 @@ from vllm_lookahead.planner.acceptance import (
     AcceptancePrior,
     RequestAcceptance,
     geometric_gain,
+    window_root,
 )
 from vllm_lookahead.planner.cost_cache import CostCache, cache_key, load_curve
 from vllm_lookahead.planner.cost_model import CostCurve, CostModel, bucket_of, measure_curve
 from vllm_lookahead.planner.planner import OFF, Planner, RequestView, Shape
-from vllm_lookahead.planner.siblings import drain_value, end_shares_many, end_value, slot_value
+from vllm_lookahead.planner.siblings import drain_value, end_shares_many, end_value
 
 # -- synthetic machines ----------------------------------------------------------
 STEP = 0.05  # seconds of a 1-token step
@@ -72,6 +73,11 @@ def rate(planner, shapes):
 def unpruned(monkeypatch):
     """Plans of every planner weigh every shape of every request."""
     monkeypatch.setattr(Planner, "_prune", lambda self, views, options, *a: options)
+
+
+def tree_gain(acc, g, window):
+    """Tokens confirmed by a tree of ``g`` candidates and ``window`` of the columns."""
+    return acc.tree_gains(((g, window_root(window)),))[0]
 
 
 def view(acc, chain=0, unchecked=4, n=5, w=7, g=8, room=5, **kw):
@@ -233,8 +239,10 @@ def test_shapes_left_out_of_the_search_could_never_pay(monkeypatch):
                               bonus=cost.bonus(batch, True) if lazy else 0.0,
                               switch=cost.switch(batch, sampled)))
 
+        idle = view(RequestAcceptance(prior), unchecked=0, room=0, trees=False)
+
         def plans(planner):
-            return planner.plan(views), [planner.plan([v], others=batch - 1) for v in views]
+            return planner.plan(views), [planner.plan([v] + [idle] * (batch - 1)) for v in views]
 
         pruned = Planner(cost, fused=fused)
         got = plans(pruned)
@@ -294,8 +302,9 @@ def test_drafts_that_pay_only_together_are_planned_together():
 
     # the step's only drafting one of 8 does not pay the switch; two cannot
     # share it enough
-    assert planner.plan([weak()], others=7) == [OFF]
-    assert planner.plan([weak(), weak()], others=6) == [OFF, OFF]
+    idle = view(RequestAcceptance(prior), unchecked=0, room=0, trees=False)
+    assert planner.plan([weak()] + [idle] * 7) == [OFF] * 8
+    assert planner.plan([weak(), weak()] + [idle] * 6) == [OFF] * 8
     plan = planner.plan([weak() for _ in range(8)])
     assert all(s.draft > 0 for s in plan), plan
     # and the plan found is worth more than every request off
@@ -374,17 +383,17 @@ def test_tree_counterfactuals_and_relaxing():
     for _ in range(60):
         # candidate 2 (a window n-gram) confirms 3 tokens, text candidates 0/1
         acc.observe_tree([0, 1, 3], [False, False, True], window_on=True)
-    assert acc.tree_gain(1, False) == pytest.approx(0.0, abs=0.05)
-    assert acc.tree_gain(2, False) == pytest.approx(1.0, abs=0.05)
-    assert acc.tree_gain(2, True) == pytest.approx(3.0, abs=0.1)
+    assert tree_gain(acc, 1, False) == pytest.approx(0.0, abs=0.05)
+    assert tree_gain(acc, 2, False) == pytest.approx(1.0, abs=0.05)
+    assert tree_gain(acc, 2, True) == pytest.approx(3.0, abs=0.1)
     # without trees, the estimates drift back towards the engine's prior
     # (which other requests have since found better)
     prior.tree_cands = [1.0] * 4
-    low = acc.tree_gain(1, False)
+    low = tree_gain(acc, 1, False)
     for _ in range(200):
         acc.relax()
-    assert acc.tree_gain(1, False) > low + 0.3
-    assert abs(acc.tree_gain(1, False) - prior.tree_cands[0]) < 0.05
+    assert tree_gain(acc, 1, False) > low + 0.3
+    assert abs(tree_gain(acc, 1, False) - prior.tree_cands[0]) < 0.05
 
 
 def test_new_requests_start_from_the_engines_experience():
@@ -405,10 +414,10 @@ def test_nothing_is_pulled_towards_a_prior_never_measured():
     for _ in range(20):
         acc.observe_tree([2, 2], [False, False], window_on=0.0)
     prior.trees_seen = 0  # as if other requests had never run a tree
-    before = acc.tree_gain(2, 0.0)
+    before = tree_gain(acc, 2, 0.0)
     for _ in range(200):
         acc.relax()
-    assert acc.tree_gain(2, 0.0) == before
+    assert tree_gain(acc, 2, 0.0) == before
 
 
 def test_the_prior_forgets_its_assumed_start_fast():
@@ -421,12 +430,12 @@ def test_the_prior_forgets_its_assumed_start_fast():
     assert prior.tree_cands[0] < 0.25 * assumed  # a running mean, not a 2% EMA
 
 
-def test_tree_gains_in_one_pass_are_tree_gain_exactly():
+def test_tree_gains_in_one_pass_are_each_trees_exactly():
     """The planner prices its trees with ``tree_gains`` (one pass): the very
-    floats ``tree_gain`` gives, for every shape of an N, W, G, however the
-    estimates moved."""
-    from vllm_lookahead.planner.acceptance import window_root
-    from vllm_lookahead.planner.shapes import _tree_options, _tree_table
+    floats each tree alone gives, for every shape of an N, W, G (``_tree_table``),
+    however the estimates moved."""
+    from vllm_lookahead.attn_mask import tree_size
+    from vllm_lookahead.planner.shapes import _tree_table
 
     rng = np.random.default_rng(3)
     prior = AcceptancePrior(max_cands=4)
@@ -437,19 +446,21 @@ def test_tree_gains_in_one_pass_are_tree_gain_exactly():
         acc.relax()
         for n, w, g in ((3, 2, 2), (5, 4, 4), (4, 7, 3), (2, 0, 4), (4, 4, 6)):
             options, roots = _tree_table(n, w, g)
-            assert options == _tree_options(n, w, g)
+            assert all(nodes == tree_size(n, ww, gg) and (ww or gg) and ww <= w and gg <= g
+                       for ww, gg, nodes in options)
+            assert (w, g) in {(ww, gg) for ww, gg, _ in options} or w == g == 0
             cols = max(w, 1)
             assert roots == tuple((gg, window_root(ww / cols)) for ww, gg, _ in options)
-            assert acc.tree_gains(roots) == [acc.tree_gain(gg, ww / cols)
+            assert acc.tree_gains(roots) == [tree_gain(acc, gg, ww / cols)
                                              for ww, gg, _ in options]
 
 
 def test_window_gain_by_columns_and_harvest_credit():
     prior = AcceptancePrior(max_cands=2, tree_cands=[0.0, 0.0], tree_window=1.0)
     acc = RequestAcceptance(prior)
-    assert acc.tree_gain(0, 1.0) == pytest.approx(1.0)
-    assert acc.tree_gain(0, 0.25) == pytest.approx(0.5)  # sqrt of the share
-    assert acc.tree_gain(0, 0.0) == 0.0 and acc.tree_gain(0, True) == pytest.approx(1.0)
+    assert tree_gain(acc, 0, 1.0) == pytest.approx(1.0)
+    assert tree_gain(acc, 0, 0.25) == pytest.approx(0.5)  # sqrt of the share
+    assert tree_gain(acc, 0, 0.0) == 0.0 and tree_gain(acc, 0, True) == pytest.approx(1.0)
     # a quarter of the window confirmed 1 token beyond the text: 2 for all W
     for _ in range(80):
         acc.observe_tree([0, 1], [False, True], window_on=0.25)
@@ -543,7 +554,7 @@ def accepted_pmf(p, k):
 
 
 def test_sibling_weights_value_the_share_that_ends_the_parent():
-    from vllm_lookahead.planner.planner import sibling_weights
+    from vllm_lookahead.planner.siblings import sibling_weights
 
     def end(k):
         return 0.5 * k
@@ -691,16 +702,16 @@ def test_end_value_is_the_parents_last_step_at_the_plain_rate():
     assert end_value(model(gpu), 16, 4) == pytest.approx(4.0, rel=1e-6)
 
 
-def test_slot_value_is_the_marginal_request_at_the_plain_rate():
+def test_one_slots_value_is_the_marginal_request_at_the_plain_rate():
     def fn(total):  # a step of b requests costs 1 + 0.1 (b - 1) plain steps
         return 1.0 + 0.1 * (total - 1)
 
     planner = Planner(CostModel(curve_from(fn, tokens=(1, 2, 4))))
-    assert slot_value(planner.cost, 1) == 1.0
+    assert drain_value(planner.cost, 1, 1) == 1.0
     # b (c(b) - c(b-1)) / c(b) = 4 * 0.1 / 1.3
-    assert slot_value(planner.cost, 4) == pytest.approx(4 * 0.1 / 1.3, rel=1e-3)
+    assert drain_value(planner.cost, 4, 1) == pytest.approx(4 * 0.1 / 1.3, rel=1e-3)
     # a flat machine: a sample ahead frees nothing
-    assert slot_value(model(gpu), 4) == pytest.approx(0.0, abs=1e-9)
+    assert drain_value(model(gpu), 4, 1) == pytest.approx(0.0, abs=1e-9)
 
 
 def test_drain_value_is_the_mean_slot_over_the_parents_drain():
@@ -710,10 +721,10 @@ def test_drain_value_is_the_mean_slot_over_the_parents_drain():
     the full batch."""
     planner = Planner(CostModel(curve_from(math.sqrt, batches=(1, 2, 3, 4), tokens=(1, 2, 4))))
     # c(b) = sqrt(b): the last slot at 4 is 4 (2 - sqrt 3) / 2
-    assert slot_value(planner.cost, 4) == pytest.approx(2 * (2 - math.sqrt(3)), rel=1e-3)
+    assert drain_value(planner.cost, 4, 1) == pytest.approx(2 * (2 - math.sqrt(3)), rel=1e-3)
     # the 4 samples drain from 4 to 1: 4 (2 - 1) / (3 * 2)
     assert drain_value(planner.cost, 4, 4) == pytest.approx(4 / 6, rel=1e-3)
-    assert drain_value(planner.cost, 4, 1) == slot_value(planner.cost, 4)
+    assert drain_value(planner.cost, 4, 2) == drain_value(planner.cost, 4, 1)  # one slot
 
 
 def test_a_sample_ahead_of_its_siblings_drafts_only_where_a_slot_pays():
@@ -728,7 +739,7 @@ def test_a_sample_ahead_of_its_siblings_drafts_only_where_a_slot_pays():
     full = planner.plan([view(acc, unchecked=4, g=0, trees=False),
                          view(acc, unchecked=4, g=0, trees=False)])
     assert [s.kind for s in full] == ["draft", "draft"]
-    w = slot_value(planner.cost, 2)
+    w = drain_value(planner.cost, 2, 1)
     assert 0.0 < w < 0.5
     lag, ahead = planner.plan([view(acc, unchecked=4, g=0, trees=False, weight=1.0),
                                view(acc, unchecked=4, g=0, trees=False, weight=w)])
@@ -758,7 +769,7 @@ def test_a_lazy_verifier_prices_the_rows_it_computes():
     by the rows expected, ``1 + p + ... + p^(k-1)``: a long draft of a
     likely lookup costs about what its accepted part does, and the planner
     drafts longer than where every row is computed."""
-    from vllm_lookahead.planner.planner import verified_rows
+    from vllm_lookahead.planner.shapes import verified_rows
 
     assert verified_rows(0, 0.5) == 0.0
     assert verified_rows(1, 0.5) == 1.0
@@ -784,7 +795,7 @@ def test_a_draft_rejected_anywhere_saves_its_lazy_bonus_row():
     where that row costs more than a draft token's forward (the CPU's
     full-vocabulary top-p sort), a draft of a poor guess pays, where it does
     not without the saving or where the bonus row is not lazy."""
-    from vllm_lookahead.planner.planner import bonus_saving, verified_rows
+    from vllm_lookahead.planner.shapes import bonus_saving, verified_rows
 
     assert bonus_saving(0.002, 0, 0.3) == 0.0
     assert bonus_saving(0.0, 3, 0.3) == 0.0
@@ -811,7 +822,7 @@ def test_a_tree_chain_is_priced_as_the_draft_it_hands_the_verifier():
     """A tree's steady state drafts its confirmed chain next step: a lazy
     sampled request's chain is priced by the rows expected at the checked
     chain's acceptance, less the bonus row it is expected to save."""
-    from vllm_lookahead.planner.planner import bonus_saving, verified_rows
+    from vllm_lookahead.planner.shapes import bonus_saving, verified_rows
 
     planner = Planner(CostModel(CostCurve.flat(0.03, 0.002)))
     acc = acceptance(**{**HIGH, "p_checked": 0.5})
@@ -899,41 +910,19 @@ def test_a_tree_that_gains_nothing_is_not_planned_where_drafts_look_cheap():
     assert cm.factors[(1, False)][3] == 0  # held at 0, not below
     acc = acceptance(p_unchecked=0.5, tree_by_g=[0.0] * 8, window_extra=0.0)
     v = RequestView(acc=acc, ngram_size=4, window_size=1, guess_set_size=0, room=4,
-                    trees=True, verify=planner.verify_seen(1, False))
+                    trees=True, verify=planner.cost.verify_seen(1, False))
     assert planner.plan([v])[0].kind == "off"
 
 
-# -- min_draft_p: a floor under what a draft token may be worth ---------------------
-def test_draft_cap_is_where_the_whole_draft_falls_below_the_floor():
-    planner = Planner(model(gpu))
-    planner.min_draft_p = 0.1
-    assert planner.draft_cap(0.5) == 3  # 0.5^3 = 0.125 >= 0.1 > 0.0625
-    assert planner.draft_cap(0.8) == 10  # 0.8^10 = 0.107
-    assert planner.draft_cap(0.1) == 1
-    assert planner.draft_cap(0.05) == 0  # not even the first token
-    assert planner.draft_cap(1.0) >= 1 << 20  # sure tokens: no cap
-    planner.min_draft_p = 0.0
-    assert planner.draft_cap(0.05) >= 1 << 20  # off
-
-
-def test_min_draft_p_caps_the_drafts_weighed_even_where_tokens_are_free():
+def test_free_draft_tokens_draft_the_whole_lookup():
     """On a machine where draft tokens cost nothing (the GPU curve) the
-    planner drafts the whole lookup; with the floor it weighs no draft
-    longer than the floor allows (here 3 tokens at p 0.5), and none at all
-    where the first token is below it."""
+    planner drafts the whole lookup at p 0.5; a seeded request's draft
+    (from the start-up curve alone) is 2 tokens of 8 there."""
     acc = acceptance(p_unchecked=0.5, tree_by_g=[0.0] * 8, window_extra=0.0)
     planner = Planner(model(gpu))
-    v = view(acc, unchecked=8, room=8, trees=False)
-    free = planner.plan([v])
+    free = planner.plan([view(acc, unchecked=8, room=8, trees=False)])
     assert free[0].kind == "draft" and free[0].draft == 8
-    planner.min_draft_p = 0.1
-    p = v.draft_p()
-    capped = planner.plan([v])
-    assert capped[0].kind == "draft" and capped[0].draft == planner.draft_cap(p) == 3
-    assert all(s.draft <= 3 for s in planner.shapes(v, 1))
-    low = view(acceptance(p_unchecked=0.05, tree_by_g=[0.0] * 8, window_extra=0.0),
-               unchecked=8, room=8, trees=False)
-    assert [s.kind for s in planner.shapes(low, 1)] == ["off"]
+    assert planner.steady_draft(acc, "suffix4", 8) == 2
 
 
 def test_a_seeded_draft_is_priced_in_the_batch_fixed_at_its_start():
@@ -980,17 +969,6 @@ def test_a_seeded_requests_batch_is_its_parents_n_or_the_setting():
     assert seeded_batch(params(None), 0, 256) == 1
     assert seeded_batch(params({SAMPLES_KEY: "x"}), 0, 256) == 1
     assert seeded_batch(params({}), 2, 256) == 2
-
-
-def test_min_draft_p_caps_a_seeded_requests_draft_too():
-    """A seeded request's draft (priced from the start-up curve alone) is
-    held to the same floor, from its own acceptance: the same on every run."""
-    acc = acceptance(p_unchecked=0.5, tree_by_g=[0.0] * 8, window_extra=0.0)
-    planner = Planner(model(gpu))
-    assert planner.steady_draft(acc, "suffix4", 8) == 2
-    planner.min_draft_p = 0.3  # 0.5^2 = 0.25 below it
-    assert planner.draft_cap(0.5) == 1
-    assert planner.steady_draft(acc, "suffix4", 8) == 1
 
 
 def test_the_engine_learns_a_kind_that_never_pays_from_few_probes():

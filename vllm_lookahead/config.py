@@ -24,6 +24,12 @@ _RANGES = {"ngram_size": (2, 16), "window_size": (0, 64), "guess_set_size": (1, 
 _MODES = ("fused", "separate")
 #: ``cost_model`` keywords; any other value is the path of a curve file.
 COST_MODEL_CHOICES = ("auto", "measure", "off")
+#: Settings removed, and what replaced them: given one, start-up fails naming it.
+REMOVED = {
+    "batch_end": "the planner plans each request for its own end, a parent's samples for the "
+                 "parent's (parent_latency)",
+    "min_draft_p": "the planner weighs every draft length by its expected tokens per second",
+}
 
 
 class LookaheadConfigError(ValueError):
@@ -48,9 +54,9 @@ class LookaheadConfig:
     memory_tokens: int = 131072  # its capacity
     lookup_len: int = 0  # the longest unchecked draft (0: N)
     parent_latency: bool = True  # plan n samples for the parent's end
-    batch_end: bool = False  # plan a closed batch for its end
+    batch_end: None = None  # removed (REMOVED): fails if given
     learn_step_cost: bool | str = "auto"  # learn draft costs from steps ("auto": 8+ requests)
-    min_draft_p: float = 0.0  # cut an unchecked draft where p^k falls below (0: off)
+    min_draft_p: None = None  # removed (REMOVED): fails if given
     seeded_batch: int = 0  # the batch a seeded draft is priced in (0: its n)
 
     def __post_init__(self) -> None:
@@ -72,9 +78,9 @@ class LookaheadConfig:
                 _fail(name, f"one of {list(COST_MODEL_CHOICES)} or an existing file", repr(value))
             elif name == "learn_step_cost" and not (isinstance(value, bool) or value == "auto"):
                 _fail(name, 'a boolean (true/false) or "auto"', repr(value))
-            elif name == "min_draft_p" and (isinstance(value, bool) or not isinstance(
-                    value, (int, float)) or not 0.0 <= value <= 1.0):
-                _fail(name, "a number in [0, 1]", repr(value))
+            elif name in REMOVED and value is not None:
+                raise LookaheadConfigError(
+                    f"speculative_config['{name}'] was removed in 0.2.0: {REMOVED[name]}")
             elif f.type in ("bool", bool) and not isinstance(value, bool):
                 _fail(name, "a boolean (true/false)", repr(value))
         if self.window_size == 0 and not self.prompt_pool:
@@ -93,7 +99,7 @@ class LookaheadConfig:
         return [f.name for f in dataclasses.fields(cls)]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in REMOVED}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "LookaheadConfig":

@@ -1,11 +1,8 @@
-"""Measured acceptance: what a step gains from each kind of draft.
-
-Per request, running estimates of an **unchecked draft**'s per-token
-acceptance per kind of lookup (scored against the text whatever ran), the
-tokens a **tree** of ``g`` candidates and a share of the window confirms, and
-a **checked draft**'s per-token acceptance. The engine's
-:class:`AcceptancePrior` pools every request's outcomes; requests start from
-it and their tree estimates relax towards it between trees.
+"""Measured acceptance: per request, running estimates of an unchecked draft's
+per-token acceptance per kind of lookup, the tokens a tree of ``g`` candidates and
+a share of the window confirms, and a checked draft's per-token acceptance. The
+engine's :class:`AcceptancePrior` pools every request's outcomes; requests start
+from it and their tree estimates relax towards it between trees.
 """
 
 from __future__ import annotations
@@ -14,15 +11,12 @@ from dataclasses import dataclass, field
 
 #: Upper ends of the long own-text match kinds (``suffix8``: 5-8 tokens).
 LONG_SUFFIX_KINDS = (8, 16, 24)
-#: Kinds of unchecked lookup, learnt apart: a suffix of the text, of the
-#: shared memory's text, or a guess for the newest token alone.
+#: Kinds of unchecked lookup, learnt apart: a suffix of the text or of the
+#: shared memory's, or a guess for the newest token alone (GUESS_KINDS).
 LOOKUP_KINDS = (*(f"suffix{b}" for b in reversed(LONG_SUFFIX_KINDS)), "suffix4", "suffix3",
                 "suffix2", "memory12", "memory6", "memory3", "memory2", "memory1", "pool",
                 "poolsplit")
-#: Guesses for the newest token alone (``pool``: one continuation holds most counts).
 GUESS_KINDS = ("memory1", "pool", "poolsplit")
-#: The kinds that match a key (all but the guesses).
-MATCH_KINDS = tuple(k for k in LOOKUP_KINDS if k not in GUESS_KINDS)
 #: How a match's key places agreed on its first token (``"suffix3+"``: one
 #: place, all, split): each class's assumed factor and share of matches.
 AGREEMENT_PRIOR = {"": 1.0, "+": 1.2, "-": 0.6}
@@ -109,19 +103,12 @@ class _RequestRate(_Rate):
 
 @dataclass
 class AcceptancePrior:
-    """Engine-wide estimates new requests start from and relax towards.
-
-    Attributes:
-        p_unchecked: per lookup kind, per-token acceptance (a number: the
-            ``suffix4`` rate the others are assumed from).
-        p_checked: per-token acceptance of a checked draft.
-        tree_cands: ``[g]`` -> tokens a tree of g+1 text candidates confirms.
-        tree_window: tokens the whole window's candidates add on top.
-        weight: pseudo-count of the prior in a new request's rates.
-        ema: weight of one outcome in the checked and tree estimates.
-        calibration: accepted over expected tokens of the unchecked drafts
-            planned (forgetting), which scales every unchecked gain.
-    """
+    """Engine-wide estimates new requests start from and relax towards:
+    ``p_unchecked`` per lookup kind (a number: the ``suffix4`` rate the others
+    are assumed from), ``p_checked``, ``tree_cands[g]`` (tokens a tree of g+1
+    text candidates confirms), ``tree_window`` (what the whole window adds),
+    ``weight`` (pseudo-count in a new request's rates), ``ema`` (of one
+    outcome), ``calibration`` (accepted over expected unchecked tokens)."""
 
     max_cands: int
     p_unchecked: dict = None
@@ -263,13 +250,8 @@ class RequestAcceptance:
         """Expected accepted tokens of a k-token unchecked draft, calibrated."""
         return geometric_gain(self.unchecked_p(kind), k) * self.prior.calibration
 
-    def tree_gain(self, g: int, window: float) -> float:
-        """Confirmed tokens of a tree with ``g`` candidates and ``window`` of
-        the W columns (0: off; True: all)."""
-        return self.tree_gains(((g, window_root(window)),))[0]
-
     def tree_gains(self, shapes) -> list[float]:
-        """:meth:`tree_gain` of each ``(g, window root)`` in one pass."""
+        """Tokens confirmed by a tree of each ``(g candidates, window_root(share))``."""
         cands, window = self.tree_cands, self.tree_window
         last = len(cands)
         return [(cands[(g if g < last else last) - 1] if g > 0 else 0.0)

@@ -1,36 +1,23 @@
 """Per-step planner: each request's :class:`~.shapes.Shape` for the step.
 
-It maximises the batch's expected tokens per second, a shape's tokens from
-the request's measured acceptance (:mod:`.acceptance`), the step's seconds
-from its measured cost (:mod:`.cost_model`), by coordinate ascent on ``tokens
-- lambda * seconds`` (Dinkelbach, lambda the plan's rate) from every request
-off and again from every request drafting. Shapes that could not beat off
-with the others off are not searched. Pure Python.
+It maximises the batch's expected tokens per second (tokens from each
+request's :mod:`.acceptance`, seconds from :mod:`.cost_model`) by coordinate
+ascent on ``tokens - lambda * seconds`` (Dinkelbach, lambda the plan's rate),
+from all off and from all drafting. Shapes that cannot beat off are not searched.
 """
 
 from __future__ import annotations
 
-import math
-
 from vllm_lookahead.planner.acceptance import RequestAcceptance
-from vllm_lookahead.planner.shapes import (  # noqa: F401 (re-exported)
-    OFF, RequestView, Shape, _shape, _tree_table, bonus_saving, draft_lengths, draft_p,
-    verified_rows, verify_seconds)
-from vllm_lookahead.planner.siblings import sibling_rows, sibling_weights  # noqa: F401
-
-#: Steps a tree run is assumed to last before any was seen (a catch-up tree's
-#: first step confirms nothing: its gain is lost once over these).
-TREE_HORIZON = 8
+from vllm_lookahead.planner.shapes import (
+    OFF, RequestView, Shape, _shape, _tree_table, draft_lengths, draft_p, verified_rows,
+    verify_seconds)
 
 
 class Planner:
-    """Chooses every request's :class:`Shape` for a step.
-
-    Args:
-        cost: a :class:`~vllm_lookahead.planner.cost_model.CostModel`.
-        fused: trees ride in the verification forward (else a second pass).
-        sweeps: coordinate-ascent sweeps per search.
-    """
+    """Chooses every request's :class:`Shape` for a step (``cost``: a
+    :class:`~.cost_model.CostModel`; ``fused``: trees ride in the verification
+    forward, else in a second pass; ``sweeps``: coordinate-ascent sweeps)."""
 
     #: Share of the planned time that may go to trees not predicted best (tree
     #: acceptance is learnt only from trees that run), never one making the
@@ -41,8 +28,8 @@ class Planner:
     EXPLORE_MAX_STEP = 1.5
     EXPLORE_AFTER = 64
     EXPLORE_KNOWN = 16
-    #: A seeded draft's verifier seconds (first token, each next) in
-    #: one-request steps where the curve measured none.
+    #: A seeded draft's verifier seconds (first token, each next) in plain
+    #: one-request steps, where the curve measured none.
     SEEDED_FIRST = 0.25
     SEEDED_NEXT = 0.15
 
@@ -57,43 +44,11 @@ class Planner:
         self._turn = 0
         #: requests left off without being searched (:meth:`_prune`)
         self.left_off = 0
-        #: tree steps per catch-up (the proposer updates it from its counts)
-        self.horizon = float(TREE_HORIZON)
+        #: steps a tree run lasts (a catch-up tree's first step confirms
+        #: nothing); the StepDrafter updates it from its counts
+        self.horizon = 8.0
         #: draft rows past the first rejection cost nothing (patch 15, CPU)
         self.lazy_verify = False
-        #: ``LookaheadConfig.min_draft_p`` (:meth:`draft_cap`)
-        self.min_draft_p = 0.0
-
-    def draft_cap(self, p: float) -> int:
-        """The longest draft weighed at acceptance ``p``: the largest k with
-        ``p^k >= min_draft_p`` (no cap at 0)."""
-        floor = self.min_draft_p
-        if floor <= 0.0 or p >= 1.0:
-            return 1 << 30
-        if p < floor:
-            return 0
-        return int(math.log(floor) / math.log(p) + 1e-9)
-
-    # -- what the cost model measured (nothing where it has no such figure) --------
-    def verify(self, batch: int, sampled: bool, seeded: bool = False) -> tuple[float, float]:
-        """vLLM's verifier's ``(first, next)`` seconds for a request's draft."""
-        measured = getattr(self.cost, "verify", None)
-        return measured(batch, sampled, seeded) if callable(measured) else (0.0, 0.0)
-
-    def verify_seen(self, batch: int, sampled: bool) -> tuple[float, float]:
-        """:meth:`verify` as corrected by the steps seen."""
-        seen = getattr(self.cost, "verify_seen", None)
-        return seen(batch, sampled) if callable(seen) else self.verify(batch, sampled)
-
-    def switch(self, batch: int, sampled: bool, seeded: bool = False) -> float:
-        """Seconds a step pays once where any request drafts."""
-        measured = getattr(self.cost, "switch", None)
-        return measured(batch, sampled, seeded) if callable(measured) else 0.0
-
-    def bonus(self, batch: int) -> float:
-        """Seconds a lazy verifier saves where a sampled draft is rejected."""
-        measured = getattr(self.cost, "bonus", None)
-        return measured(batch, True) if self.lazy_verify and callable(measured) else 0.0
 
     # -- one request ---------------------------------------------------------------
     def shapes(self, v: RequestView, batch: int) -> list[Shape]:
@@ -111,7 +66,7 @@ class Planner:
                              extra_s=v.verify_s(k, v.draft_p())))
         elif v.unchecked > 0:
             p = v.draft_p()
-            for k in draft_lengths(min(v.unchecked, v.room, self.draft_cap(p))):
+            for k in draft_lengths(min(v.unchecked, v.room)):
                 out.append(Shape("draft", draft=k, tokens=1 + acc.unchecked_gain(k, v.lookup_kind),
                                  extra_s=v.verify_s(k, p)))
         if not v.trees:
@@ -119,20 +74,18 @@ class Planner:
         # separate mode: a second forward every step, shared by the batch
         extra_1 = 0.0 if self.fused else self.cost.predict(1, 1) / max(batch, 1)
         # a catch-up tree confirms nothing until the next step
-        catch_up = (1.0 - 1.0 / max(self.horizon, 1.0)) if self.fused and v.chain <= 0 else None
+        catch_up = 1.0 - 1.0 / max(self.horizon, 1.0) if self.fused and v.chain <= 0 else 1.0
         table, roots = _tree_table(v.ngram_size, v.window_size, v.guess_set_size)
-        cap, room, checked = v.ngram_size - 1, v.room, acc.checked.p
-        p_chain = v.draft_p(tree=True)
+        p_chain, checked = v.draft_p(tree=True), acc.checked.p
         verify = {}  # draft length -> its verifier seconds
         for (w, g, nodes), m in zip(table, acc.tree_gains(roots)):
-            m = min(m, cap)
+            m = min(m, v.ngram_size - 1)
             # steady state: each step drafts the chain the last tree confirmed
-            d = min(int(round(m)), room)
-            gain = m * checked * (catch_up if catch_up is not None else 1.0)
-            vs = verify.get(d)
-            if vs is None:
-                vs = verify[d] = v.verify_s(d, p_chain)
-            out.append(_shape(("tree", d, w, g, nodes, 1 + gain, extra_1 + vs)))
+            d = min(int(round(m)), v.room)
+            if d not in verify:
+                verify[d] = v.verify_s(d, p_chain)
+            out.append(_shape(("tree", d, w, g, nodes, 1 + m * checked * catch_up,
+                               extra_1 + verify[d])))
         return out
 
     def steady_draft(self, acc: RequestAcceptance, kind: str, k_max: int,
@@ -142,14 +95,14 @@ class Planner:
         (fixed at its start) where it alone drafts, on the start-up curve."""
         plain = self.cost.plain
         b = max(int(batch), 1)
-        first, nxt = self.verify(b, True, seeded=True)
-        first += self.switch(b, True, seeded=True)
+        first, nxt = self.cost.verify(b, True, True)
+        first += self.cost.switch(b, True, True)
         if not (first or nxt):
             one = max(plain(1, 1), 1e-12)
             first, nxt = one * self.SEEDED_FIRST, one * self.SEEDED_NEXT
         best, best_rate = 0, b / max(plain(b, 1), 1e-12)
         p = draft_p(acc, kind)
-        for k in range(1, min(k_max, self.draft_cap(p)) + 1):
+        for k in range(1, k_max + 1):
             verify = verify_seconds((first, nxt), k,
                                     verified_rows(k, p) if self.lazy_verify else None)
             rate = (b + acc.unchecked_gain(k, kind)) / max(plain(b, 1 + k / b) + verify, 1e-12)
@@ -159,28 +112,24 @@ class Planner:
 
     # -- the batch -----------------------------------------------------------------
     def plan(self, views: list[RequestView], max_tree_tokens: int = 0,
-             others: int = 0, explore: bool = False) -> list[Shape]:
-        """One shape per view (``others``: more requests, off; ``explore``:
-        perhaps try a tree where the plan has none)."""
+             explore: bool = False) -> list[Shape]:
+        """One shape per view (``explore``: perhaps try a tree where the plan has none)."""
         r_n = len(views)
         if r_n == 0:
-            if explore and others > 0:  # still counts towards exploration's share
-                self.planned_s += self.cost.predict(others, 1.0, tree=False)
             return []
-        batch = r_n + max(others, 0)
-        options = [self.shapes(v, batch) for v in views]
+        options = [self.shapes(v, r_n) for v in views]
         memo: dict[tuple[int, bool, int], float] = {}
 
         def seconds(total_query: int, trees: int, drafting: int) -> float:
             key = (total_query, trees > 0, drafting)
             s = memo.get(key)
             if s is None:
-                s = memo[key] = self.cost.predict(batch, (total_query + batch - r_n) / batch,
-                                                  tree=trees > 0, drafting=drafting)
+                s = memo[key] = self.cost.predict(r_n, total_query / r_n, tree=trees > 0,
+                                                  drafting=drafting)
             return s
 
         switch = max(v.switch for v in views)
-        pays = self._bound(batch, r_n, seconds)
+        pays = self._bound(r_n, seconds)
         # requests whose drafts could pay beside another drafting one
         drafts_pay = [v.fixed is None and any(s.kind == "draft" and pays(v, s) for s in o)
                       for v, o in zip(views, options)]
@@ -189,18 +138,14 @@ class Planner:
         rows = [[(1 + d + nodes, kind == "tree", 1.0 + v.weight * (tokens - 1.0), extra_s,
                   d + nodes > 0, d > 0) for kind, d, _, _, nodes, tokens, extra_s in opts]
                 for v, opts in zip(views, searched)]
-        def search(pick):
-            return _search(rows, pick, batch - r_n, seconds, memo, switch, self.sweeps)
-
-        pick, rate = search([0] * r_n)
-        if switch > 0 and sum(drafts_pay) >= 2:
+        pick, rate = _search(rows, [0] * r_n, seconds, memo, switch, self.sweeps)
+        start = [int(d) for d in drafts_pay]
+        if switch > 0 and sum(start) >= 2 and start != pick:
             # from all off the first to draft pays the switch alone: drafts
             # that pay only together need a start with them drafting
-            start = [int(d) for d in drafts_pay]
-            if start != pick:
-                other, other_rate = search(start)
-                if other_rate > rate * (1 + 1e-9):
-                    pick, rate = other, other_rate
+            other, other_rate = _search(rows, start, seconds, memo, switch, self.sweeps)
+            if other_rate > rate * (1 + 1e-9):
+                pick = other
         chosen = [searched[r][pick[r]] for r in range(r_n)]
         if max_tree_tokens > 0:
             chosen = self._fit(chosen, options, max_tree_tokens)
@@ -215,39 +160,34 @@ class Planner:
         return chosen
 
     @staticmethod
-    def _bound(batch: int, r_n: int, seconds):
+    def _bound(r_n: int, seconds):
         """``pays(view, shape)``: whether ``shape`` beats off with the others
-        off (its weighted gain against its seconds at the plain rate; the
-        verifier's switch left out, shared). Else the search never picks it:
-        with others on, a step costs as much more and the rate is higher."""
+        off, at the plain rate (the switch left out, shared). If not, the
+        search never picks it: with others on, the rate is only higher."""
         plain = seconds(r_n, 0, 0)
-        lam = batch / plain
+        lam = r_n / plain
 
         def pays(v: RequestView, s: Shape) -> bool:
-            q = 1 + s.draft + s.nodes
-            sec = seconds(r_n - 1 + q, int(s.kind == "tree"), int(q > 1)) - plain + s.extra_s
+            sec = seconds(r_n - 1 + s.query, s.kind == "tree", int(s.query > 1)) - plain + s.extra_s
             return v.weight * (s.tokens - 1.0) > lam * sec
         return pays
 
     def _prune(self, views, options, pays, drafts_pay) -> list[list[Shape]]:
         """Per request the shapes searched: all where a tree could pay, else
         off and its drafts where one could (``drafts_pay``), else off."""
-        def keep(v: RequestView, opts: list[Shape], drafts: bool) -> list[Shape]:
+        out = []
+        for v, opts, drafts in zip(views, options, drafts_pay):
             n = 1 + sum(s.kind == "draft" for s in opts)
-            if any(pays(v, s) for s in opts[n:]):
-                return opts
-            return opts[:n] if drafts else opts[:1]
-
-        out = [opts if v.fixed is not None else keep(v, opts, d)
-               for v, opts, d in zip(views, options, drafts_pay)]
+            if not any(pays(v, s) for s in opts[n:]):
+                opts = opts[:n] if drafts else opts[:1]
+            out.append(opts)
         self.left_off += sum(v.fixed is None and len(o) == 1 for v, o in zip(views, out))
         return out
 
-    def explore_due(self, acc) -> bool:
+    def explore_due(self, acc: RequestAcceptance) -> bool:
         """Whether a request's acceptance ``acc`` is due an exploration tree."""
-        known = getattr(getattr(acc, "prior", None), "trees_seen", 0) >= self.EXPLORE_KNOWN
-        return not ((getattr(acc, "tree_runs", 0) or known)
-                    and getattr(acc, "since_tree", 0) < self.EXPLORE_AFTER)
+        known = acc.prior.trees_seen >= self.EXPLORE_KNOWN
+        return not ((acc.tree_runs or known) and acc.since_tree < self.EXPLORE_AFTER)
 
     def _explore(self, chosen, options, views, sec, seconds, max_tree_tokens,
                  switch: float) -> None:
@@ -259,16 +199,14 @@ class Planner:
         if credit < plain or sec <= 0:  # no tree step fits the credit yet
             return
         rate = sum(c.tokens for c in chosen) / sec
-        q = sum(c.query for c in chosen)
-        n_draft = sum(c.query > 1 for c in chosen)
-        extra = sum(c.extra_s for c in chosen)
-        n_ver = sum(c.draft > 0 for c in chosen)
+        q, extra = sum(c.query for c in chosen), sum(c.extra_s for c in chosen)
+        n_draft, n_ver = sum(c.query > 1 for c in chosen), sum(c.draft > 0 for c in chosen)
+        limit = min(credit, self.EXPLORE_MAX_STEP * plain)
         for k in range(r_n):
             r = (self._turn + k) % r_n
-            v = views[r]
+            v, cur, best = views[r], chosen[r], None
             if v.fixed is not None or not v.trees or not self.explore_due(v.acc):
                 continue
-            cur, best = chosen[r], None
             for o in options[r]:
                 if o.kind != "tree" or (max_tree_tokens and o.nodes > max_tree_tokens):
                     continue
@@ -277,10 +215,8 @@ class Planner:
                     + o.extra_s
                 if o.draft > 0 or n_ver - (cur.draft > 0) > 0:
                     s2 += switch
-                if s2 > self.EXPLORE_MAX_STEP * plain:
-                    continue
                 lost = (s2 - sec) - (o.tokens - cur.tokens) / rate
-                if s2 <= credit and (best is None or lost < best[0]):
+                if s2 <= limit and (best is None or lost < best[0]):
                     best = (lost, s2, o)
             if best is not None:
                 chosen[r] = best[2]
@@ -309,14 +245,13 @@ class Planner:
         return chosen
 
 
-def _search(rows, pick: list[int], others: int, seconds, memo: dict, switch: float,
+def _search(rows, pick: list[int], seconds, memo: dict, switch: float,
             sweeps: int) -> tuple[list[int], float]:
     """Coordinate ascent over ``rows`` (:meth:`Planner.plan`'s) from ``pick``:
     each request takes its best option given the others', for up to
     ``sweeps`` sweeps. Returns the picks and the plan's rate."""
     cur = [rows[r][j] for r, j in enumerate(pick)]
     q_tot, n_tree, tok, extra, n_draft, n_ver = (sum(c[i] for c in cur) for i in range(6))
-    tok += others  # the others: one token each
     for _ in range(sweeps):
         lam = tok / (seconds(q_tot, n_tree, n_draft) + extra + (switch if n_ver else 0.0))
         changed = False
@@ -338,13 +273,9 @@ def _search(rows, pick: list[int], others: int, seconds, memo: dict, switch: flo
                 if best_val is None or val > best_val + 1e-12:
                     best, best_val = j, val
             if best != pick[r]:
-                nq, ntree, ntok, nextra, ndraft, nver = opts[best]
-                q_tot += nq - cq
-                extra += nextra - cextra
-                tok += ntok - ctok
-                n_tree += ntree - ctree
-                n_draft += ndraft - cdraft
-                n_ver += nver - cver
+                totals = (q_tot, n_tree, tok, extra, n_draft, n_ver)
+                q_tot, n_tree, tok, extra, n_draft, n_ver = (
+                    t + (n - c) for t, n, c in zip(totals, opts[best], opts[pick[r]]))
                 pick[r] = best
                 changed = True
         if not changed:

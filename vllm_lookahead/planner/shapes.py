@@ -14,9 +14,8 @@ from vllm_lookahead.planner.acceptance import RequestAcceptance, geometric_gain,
 
 class Shape(NamedTuple):
     """How one request runs one step: ``kind`` "off", "draft" or "tree";
-    ``draft`` tokens to verify (a tree: its chain's expected length); tree
-    ``window`` columns, ``cands`` and ``nodes``; expected ``tokens``;
-    ``extra_s`` seconds outside the shared forward."""
+    ``draft`` tokens to verify (a tree: its chain's expected length); expected
+    ``tokens``; ``extra_s`` seconds outside the shared forward."""
 
     kind: str
     draft: int = 0
@@ -43,11 +42,10 @@ _shape = partial(tuple.__new__, Shape)
 
 @dataclass
 class RequestView:
-    """What the planner needs of one request: its acceptance ``acc``; N, W,
-    G; ``room`` for a draft; the checked ``chain``'s and the ``unchecked``
-    lookup's lengths; ``trees`` allowed; a ``fixed`` shape; the ``weight``
-    of a gained token (``siblings``); the verifier's ``(first, next)``
-    seconds, ``lazy`` rows, the ``bonus`` row a rejected draft saves, and
+    """What the planner needs of one request: ``room`` for a draft, the checked
+    ``chain``'s and ``unchecked`` lookup's lengths, a ``fixed`` shape, the
+    ``weight`` of a gained token (:mod:`.siblings`), the verifier's ``(first,
+    next)`` seconds, ``lazy`` rows, the ``bonus`` row a rejected draft saves,
     the ``switch`` a step pays once where any request drafts."""
 
     acc: RequestAcceptance
@@ -126,16 +124,11 @@ def _cand_steps(g_max: int) -> list[int]:
 
 
 @lru_cache(maxsize=256)
-def _tree_options(ngram_size: int, window_size: int, g_max: int) -> tuple:
-    """``(columns, candidates, nodes)`` per tree: 0, 1, 2, 4.. W x 0, 1, 2, 4.. G."""
-    return tuple((w, g, tree_size(ngram_size, w, g))
-                 for w in [0] + _cand_steps(window_size)
-                 for g in [0] + _cand_steps(g_max) if g or w)
-
-
-@lru_cache(maxsize=256)
 def _tree_table(ngram_size: int, window_size: int, g_max: int) -> tuple:
-    """:func:`_tree_options` and each one's ``(g, window root)``."""
-    options = _tree_options(ngram_size, window_size, g_max)
+    """``(columns, candidates, nodes)`` per tree (0, 1, 2, 4.. W x 0, 1, 2, 4.. G),
+    and each one's ``(g, window root)``."""
+    options = tuple((w, g, tree_size(ngram_size, w, g))
+                    for w in [0] + _cand_steps(window_size)
+                    for g in [0] + _cand_steps(g_max) if g or w)
     cols = max(window_size, 1)
     return options, tuple((g, window_root(w / cols)) for w, g, _ in options)

@@ -1,15 +1,9 @@
-"""What a token gained by one of a parent request's n samples is worth.
-
-vLLM answers a request with ``n`` samples when its last sample ends, so a
-sample's gained token ends the parent sooner only where the sample would end
-last. Model: sample ``i`` with ``r_i`` tokens left and a typical draft of
-``K_i`` tokens each accepted with probability ``p_i`` (accepted ``A_i``: mean
-``mu_i``, variance ``v_i`` a step) needs ``S_i`` more steps, normal with mean
-``r_i / (1 + mu_i)`` and variance ``r_i v_i / (1 + mu_i)**3`` (renewal theory).
-Sample ``j`` gaining ``a`` tokens ends ``a / (1 + mu_j)`` steps sooner; the
-share of its gain that moves ``E[max S]`` is worth a parent step, the rest only
-frees its batch slot early.
-"""
+"""What a token gained by one of a parent request's n samples is worth: vLLM answers
+the parent when its last sample ends. Sample i (``r_i`` tokens left, accepting
+``A_i`` tokens a step: mean ``mu_i``, variance ``v_i``) needs ``S_i`` steps, normal
+with mean ``r_i / (1 + mu_i)`` and variance ``r_i v_i / (1 + mu_i)**3`` (renewal
+theory). The share of its gain that moves ``E[max S]`` is worth a parent step; the
+rest only frees its batch slot early."""
 
 from __future__ import annotations
 
@@ -160,37 +154,27 @@ def _plain(cost, batch: int) -> float:
     return cost.predict(max(batch, 1), 1.0, tree=False)
 
 
-def slot_value(cost, batch: int) -> float:
-    """A token that only frees a request's slot a step earlier, in tokens of
-    a ``batch``-request step (``cost``: a ``CostModel``): the seconds one
-    request adds to a plain step at the plain rate, ``b (c(b) - c(b-1)) / c(b)``."""
+def drain_value(cost, batch: int, samples: int) -> float:
+    """A token that frees one of a parent's ``samples`` live samples' slot a
+    step earlier, in tokens of a ``batch``-request step (``cost``: a
+    ``CostModel``): the mean a sample adds to a plain step, at the plain rate,
+    as they drain, ``b (c(b) - c(b - k + 1)) / ((k - 1) c(b))``, k at least 2."""
+    k = max(samples, 2)
     c = _plain(cost, batch)
     if batch <= 1 or c <= 0:
         return 1.0
-    return min(max(batch * (c - _plain(cost, batch - 1)) / c, 0.0), 1.0)
-
-
-def drain_value(cost, batch: int, samples: int) -> float:
-    """:func:`slot_value` of one of a parent's ``samples`` live samples: its
-    slot is freed as the samples drain from the step, so the mean a sample
-    adds over that drain, ``b (c(b) - c(b - k + 1)) / ((k - 1) c(b))``."""
-    if batch <= 1 or samples <= 1:
-        return slot_value(cost, batch)
-    c = _plain(cost, batch)
-    if c <= 0:
-        return 1.0
-    last = _plain(cost, batch - samples + 1)
-    return min(max(batch * (c - last) / ((samples - 1) * c), 0.0), 1.0)
+    last = _plain(cost, batch - k + 1)
+    return min(max(batch * (c - last) / ((k - 1) * c), 0.0), 1.0)
 
 
 def end_value(cost, batch: int, samples: int) -> float:
     """A parent of ``samples`` live samples ending a step sooner, in tokens of
     a ``batch``-request step: its last step (its last sample with the others,
     ``c(b - k + 1)``) at the plain rate less the others' tokens,
-    ``b c(b - k + 1) / c(b) - (b - k)``; between :func:`slot_value` and ``k``."""
+    ``b c(b - k + 1) / c(b) - (b - k)``; between one slot's value and ``k``."""
     c = _plain(cost, batch)
     if c <= 0 or batch <= 1:
         return 1.0
     last = _plain(cost, batch - samples + 1)
-    return min(max(batch * last / c - max(batch - samples, 0), slot_value(cost, batch)),
+    return min(max(batch * last / c - max(batch - samples, 0), drain_value(cost, batch, 1)),
                float(samples))

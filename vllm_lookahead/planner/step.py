@@ -1,11 +1,9 @@
 """One engine step's drafts (engine-agnostic): the planner's shape per request.
 
-**fused** (one forward a step): a request drafts the checked chain its last
-tree left minus its last token, which roots this step's tree in vLLM's query
-rows; without a chain it drafts its lookup beside a *catch-up* tree rooted at
-its newest token. **separate**: an extra tree-masked forward checks the
-candidates and the draft is the best confirmed chain. vLLM's rejection
-sampler verifies every draft: a draft decides only how many tokens come.
+**fused** (one forward a step): a request drafts the checked chain its last tree left
+minus its last token, which roots this step's tree in vLLM's query rows; without a chain
+it drafts its lookup beside a *catch-up* tree rooted at its newest token. **separate**: an
+extra tree-masked forward checks the candidates; the draft is the best confirmed chain.
 """
 
 from __future__ import annotations
@@ -17,8 +15,6 @@ from vllm_lookahead.algo.trees import TreeAsk, plan_trees
 from vllm_lookahead.planner.shapes import OFF, RequestView, Shape, draft_p
 from vllm_lookahead.planner.siblings import drain_value, end_value, sibling_rows, sibling_weights
 
-#: The parent of every request of a ``closed`` batch (:meth:`StepDrafter._weights`).
-_WHOLE_BATCH = object()
 #: A catch-up step drafts its lookup while the next token is expected to be
 #: accepted at least this often.
 CATCH_UP_DRAFT_P = 0.25
@@ -42,32 +38,23 @@ class StepDrafter:
     def run(self, live: list[Live], num_rows: int, num_decoding: int, spec_k: int,
             joined: bool, token_ids: np.ndarray, run_trees,
             closed: bool = False) -> tuple[list, tuple | None]:
-        """Per row its draft, and the step as planned (``(requests, query
-        tokens per request, any tree, drafting requests, verifier seconds as
-        measured, least ``(first, next)`` of a drafting request or None)``;
-        None: not planned).
+        """Per row its draft, and the step as planned (:meth:`_plan`).
 
         ``live``: the requests decoding with lookahead; ``num_decoding``: rows
         decoding; ``token_ids``: int [rows, >= n_tok]; ``run_trees``:
         ``[(row, PlannedTree)] -> [int [T] argmax per node]`` (separate
-        mode); ``closed``: plan the batch for its end; ``spec_k``,
-        ``joined``: unused."""
+        mode); ``spec_k``, ``joined``, ``closed``: unused."""
         drafts: list[list[int]] = [[] for _ in range(num_rows)]
         if self.disable_batch_size and num_decoding >= self.disable_batch_size:
             self.stats.steps_off += 1
             for r in live:
                 r.state.draft_sources, r.state.lookup = [], []
             live = []
-        by_row, planned_rows = self._weights(live, num_decoding, closed)
+        weights = self._weights(live, num_decoding)
         if self.cfg.prompt_pool:
             for r in live:
                 r.state.add_context_ngrams(token_ids[r.i], r.state.settings.ngram_size, r.n_tok)
-        weights = None
-        if by_row is not None and live:
-            weights = [by_row[r.i] for r in live]
-            self.stats.sibling_steps += sum(r.i in planned_rows for r in live)
-            self.stats.sibling_ahead_steps += sum(x < 1.0 for x in weights)
-        trees, planned = self._plan(live, drafts, token_ids, weights=weights)
+        trees, planned = self._plan(live, drafts, token_ids, weights)
         if self.fused:
             window_cut = self._fused_plan([t for t in trees if t[0].chain or t[0].room > 0],
                                           drafts, token_ids)
@@ -88,22 +75,17 @@ class StepDrafter:
         return drafts, planned
 
     # -- planning ------------------------------------------------------------
-    def _weights(self, everyone: list[Live], batch: int,
-                 closed: bool = False) -> tuple[dict[int, float] | None, set[int]]:
-        """By row what a gained token is worth (:func:`~.siblings.sibling_weights`;
-        None: all 1) and the rows planned for their parent (``closed``: the
-        whole batch is one, where every request has an output cap)."""
-        closed = (closed and len(everyone) > 1
-                  and all(r.state.max_tokens is not None for r in everyone))
-        if self.planner is None or not everyone or not closed and (
-                not self.cfg.parent_latency or not any(r.state.group for r in everyone)):
-            return None, set()
-        if all(r.state.seeded for r in everyone):  # sized from their own text
-            return None, set()
+    def _weights(self, everyone: list[Live], batch: int) -> list[float] | None:
+        """Per request what a gained token is worth (:func:`~.siblings.sibling_weights`;
+        None: all 1), counted in the stats."""
+        if (self.planner is None or not self.cfg.parent_latency
+                or not any(r.state.group for r in everyone)
+                or all(r.state.seeded for r in everyone)):  # seeded: sized from their own text
+            return None
         groups, remaining, draws = [], [], []
         for r in everyone:
             st = r.state
-            groups.append(_WHOLE_BATCH if closed else st.group)
+            groups.append(st.group)
             remaining.append(None if st.max_tokens is None
                              else st.max_tokens - (r.n_tok - st.num_prompt_tokens))
             # its typical draft: its last lookup's kind, N - 1 tokens
@@ -112,18 +94,21 @@ class StepDrafter:
         cost = self.planner.cost
         w = sibling_weights(groups, remaining, lambda k: drain_value(cost, batch, k),
                             lambda k: end_value(cost, batch, k), draws)
-        planned = {everyone[j].i for rows in sibling_rows(groups, remaining) for j in rows}
-        return {r.i: x for r, x in zip(everyone, w)}, planned
+        self.stats.sibling_steps += sum(len(rows) for rows in sibling_rows(groups, remaining))
+        self.stats.sibling_ahead_steps += sum(x < 1.0 for x in w)
+        return w
 
     def _plan(self, live: list[Live], drafts, token_ids,
               weights: list[float] | None = None) -> tuple[list, tuple | None]:
         """Look up and plan each request; drafts without a tree go into
         ``drafts``. Returns ``(live, window, cands)`` of those with a tree,
-        and the step as planned (:meth:`run`)."""
+        and the step as planned: ``(requests, query tokens per request, any
+        tree, drafting requests, verifier seconds as measured, least
+        ``(first, next)`` of a drafting request or None)``, None: not planned."""
         if not live:
             return [], None
         planner = self.planner
-        views, planned = [], None
+        planned = None
         for r in live:
             r.state.lookup = lookup(r.state, token_ids[r.i], r.n_tok, r.room,
                                     self.cfg.prompt_pool, self.memory)
@@ -132,42 +117,7 @@ class StepDrafter:
                       else Shape("tree", window=r.state.settings.window_size,
                                  cands=r.state.settings.guess_set_size) for r in live]
         else:
-            batch = len(live)
-            kinds = (True, False)
-            verify = {k: planner.verify_seen(batch, k) for k in kinds}
-            switch = {k: planner.switch(batch, k) for k in kinds}
-            # steps are booked less the verification as measured
-            measured = {k: planner.verify(batch, k) for k in kinds}
-            # bonus rows are cut only where every request allows it
-            bonus = planner.bonus(batch) if all(r.state.lazy_bonus for r in live) else 0.0
-            for j, r in enumerate(live):
-                v = _request_view(r, token_ids, self.cfg.prompt_pool, self.trees, planner)
-                sampled = r.state.sampled
-                v.verify, v.switch, v.bonus = verify[sampled], switch[sampled], bonus
-                v.lazy = planner.lazy_verify and sampled
-                if weights is not None:
-                    v.weight = weights[j]
-                views.append(v)
-            st = self.stats
-            if st.catch_up_requests:
-                planner.horizon = max((st.fused_trees + st.pass_requests)
-                                      / st.catch_up_requests, 1.0)
-            left_off = planner.left_off
-            shapes = planner.plan(views, self.cfg.max_tree_tokens, explore=True)
-            st.requests_unpaid += planner.left_off - left_off
-            # per drafting request: (measured (first, next), its verification)
-            counted = [(measured[r.state.sampled],
-                        v.verify_s(sh.draft, v.draft_p(tree=sh.kind == "tree"),
-                                   measured[r.state.sampled]))
-                       for r, v, sh in zip(live, views, shapes) if sh.draft > 0]
-            once = max((switch[r.state.sampled] for r, sh in zip(live, shapes) if sh.draft > 0),
-                       default=0.0)
-            planned = (len(live), sum(sh.query for sh in shapes) / len(shapes),
-                       any(sh.kind == "tree" for sh in shapes),
-                       sum(sh.query > 1 for sh in shapes),
-                       sum(seconds for _, seconds in counted) + once,
-                       (min(f for (f, _), _ in counted), min(n for (_, n), _ in counted))
-                       if counted else None)
+            shapes, planned = self._planned(live, token_ids, weights)
         trees = []
         for r, shape in zip(live, shapes):
             self.stats.arm_steps[{"tree": "tree", "draft": "pool", "off": "off"}[shape.kind]] += 1
@@ -192,12 +142,58 @@ class StepDrafter:
                     state.draft_expect = shape.tokens - 1
         return trees, planned
 
+    def _planned(self, live: list[Live], token_ids,
+                 weights: list[float] | None) -> tuple[list[Shape], tuple]:
+        """The planner's shapes for ``live`` and the step as planned (:meth:`_plan`)."""
+        planner, cost, st, batch = self.planner, self.planner.cost, self.stats, len(live)
+        kinds = (True, False)
+        seen = {k: cost.verify_seen(batch, k) for k in kinds}
+        switch = {k: cost.switch(batch, k) for k in kinds}
+        # steps are booked less the verification as measured
+        measured = {k: cost.verify(batch, k) for k in kinds}
+        # bonus rows are cut only where every request allows it
+        bonus = (cost.bonus(batch, True) if planner.lazy_verify
+                 and all(r.state.lazy_bonus for r in live) else 0.0)
+        views = [_request_view(r, token_ids, self.cfg.prompt_pool, self.trees, planner)
+                 for r in live]
+        for j, (r, v) in enumerate(zip(live, views)):
+            sampled = r.state.sampled
+            v.verify, v.switch, v.bonus = seen[sampled], switch[sampled], bonus
+            v.lazy = planner.lazy_verify and sampled
+            if weights is not None:
+                v.weight = weights[j]
+        if st.catch_up_requests:
+            planner.horizon = max((st.fused_trees + st.pass_requests) / st.catch_up_requests, 1.0)
+        left_off = planner.left_off
+        shapes = planner.plan(views, self.cfg.max_tree_tokens, explore=True)
+        st.requests_unpaid += planner.left_off - left_off
+        # per drafting request: (measured (first, next), its verification)
+        counted = [(measured[r.state.sampled],
+                    v.verify_s(sh.draft, v.draft_p(tree=sh.kind == "tree"),
+                               measured[r.state.sampled]))
+                   for r, v, sh in zip(live, views, shapes) if sh.draft > 0]
+        once = max((switch[r.state.sampled] for r, sh in zip(live, shapes) if sh.draft > 0),
+                   default=0.0)
+        return shapes, (len(live), sum(sh.query for sh in shapes) / len(shapes),
+                        any(sh.kind == "tree" for sh in shapes),
+                        sum(sh.query > 1 for sh in shapes),
+                        sum(seconds for _, seconds in counted) + once,
+                        (min(f for (f, _), _ in counted), min(n for (_, n), _ in counted))
+                        if counted else None)
+
     # -- trees ---------------------------------------------------------------
+    def _ask(self, r: Live, text: np.ndarray, w: int, g: int, root: int, root_pos: int,
+             **fused) -> TreeAsk:
+        """Request ``r``'s tree of ``w`` columns and ``g`` candidates of ``text``."""
+        return TreeAsk(ngram_size=r.state.settings.ngram_size, window=w,
+                       cands=candidates(r.state, text, self.cfg.prompt_pool, self.memory)[:g],
+                       root=root, root_pos=root_pos, levels=r.state.window.levels, **fused)
+
     def _fused_plan(self, trees, drafts, token_ids) -> bool:
         """Plan the trees riding in the next forward, ``(live, window, cands)``
         each, under one budget (a checked chain's last token roots its tree;
         without one, a catch-up tree). Returns whether windows were cut."""
-        asks, rows = [], []
+        asks = []
         for r, w, g in trees:
             state, chain = r.state, r.chain
             if chain:
@@ -208,21 +204,15 @@ class StepDrafter:
                 expect = chain[: k + 1]
                 text = np.concatenate([token_ids[r.i, : r.n_tok],
                                        np.asarray(expect, token_ids.dtype)])
-                root, root_pos, catch_up = expect[-1], r.n_tok + k, False
+                asks.append(self._ask(r, text, w, g, expect[-1], r.n_tok + k, expect=expect))
             else:
                 drafts[r.i] = unchecked_draft(state, catch_up_draft_len(state, r.room), self.stats)
                 text = token_ids[r.i, : r.n_tok]
-                expect, root, root_pos, catch_up = [], int(text[-1]), r.n_tok - 1, True
-            asks.append(TreeAsk(
-                ngram_size=state.settings.ngram_size, window=w,
-                cands=candidates(state, text, self.cfg.prompt_pool, self.memory)[:g],
-                root=root, root_pos=root_pos, levels=state.window.levels,
-                expect=expect, catch_up=catch_up))
-            rows.append(r)
+                asks.append(self._ask(r, text, w, g, int(text[-1]), r.n_tok - 1, catch_up=True))
         if not asks:
             return False
         planned, use_window = plan_trees(asks, self.cfg.max_tree_tokens, self.max_model_len)
-        for r, tree in zip(rows, planned):
+        for (r, _, _), tree in zip(trees, planned):
             if tree is not None:
                 r.state.plan = tree
                 self.stats.catch_up_requests += tree.catch_up
@@ -231,13 +221,8 @@ class StepDrafter:
     def _separate_pass(self, trees, drafts, token_ids, run_trees) -> bool:
         """One extra forward of the ``(live, window, cands)`` trees; a draft is
         the chain its tree confirmed. Returns whether windows were cut."""
-        asks = []
-        for r, w, g in trees:
-            text = token_ids[r.i, : r.n_tok]
-            asks.append(TreeAsk(
-                ngram_size=r.state.settings.ngram_size, window=w,
-                cands=candidates(r.state, text, self.cfg.prompt_pool, self.memory)[:g],
-                root=int(text[-1]), root_pos=r.n_tok - 1, levels=r.state.window.levels))
+        asks = [self._ask(r, token_ids[r.i, : r.n_tok], w, g, int(token_ids[r.i, r.n_tok - 1]),
+                          r.n_tok - 1) for r, w, g in trees]
         planned, use_window = plan_trees(asks, self.cfg.max_tree_tokens, self.max_model_len)
         work = []
         for (r, _, _), tree in zip(trees, planned):
