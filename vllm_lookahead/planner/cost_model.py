@@ -7,8 +7,8 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Callable
 
 from vllm_lookahead.planner.fit import Plane, plane_features, plane_seconds
@@ -130,9 +130,8 @@ class CostCurve:
 
     @classmethod
     def from_dict(cls, d: dict, verify: dict | None = None) -> "CostCurve":
-        return cls({int(b): [(int(t), float(s)) for t, s in pts] for b, pts in d.items()},
-                   {kind: {int(b): tuple(row) for b, row in table.items()}
-                    for kind, table in (verify or {}).items()})
+        """The curve of :meth:`to_dict` and :meth:`verify_dict` (keys as strings)."""
+        return cls(d, verify or {})
 
     @classmethod
     def flat(cls, seconds: float = 1.0, per_token: float = 0.0) -> "CostCurve":
@@ -300,10 +299,9 @@ class CostModel:
             # the prior: the curve's plain step (forgotten as steps come) and
             # its draft slopes (held for ever; a drafting request's: 0)
             line.add(plane_features(b, b, 1, None), self.plain(b, 1), self.PRIOR_WEIGHT)
-            line.set_slope_prior(
-                (max(self.plain(2 * b, 1) - self.plain(b, 1), 0.0) / b,
-                 (self.plain(b, 8) - self.plain(b, 1)) / (7 * b), 0.0),
-                (self.SLOPE_PRIOR * b, self.SLOPE_PRIOR * b * b, self.SLOPE_PRIOR))
+            line.prior = (max(self.plain(2 * b, 1) - self.plain(b, 1), 0.0) / b,
+                          (self.plain(b, 8) - self.plain(b, 1)) / (7 * b), 0.0)
+            line.strength = (self.SLOPE_PRIOR * b, self.SLOPE_PRIOR * b * b, self.SLOPE_PRIOR)
         # one step moves the fit by at most a factor 2 of evidence (a step
         # that waited on a pause of the process must not drag it)
         x = plane_features(batch, b, tokens, drafting)
