@@ -866,10 +866,11 @@ def test_a_seeded_draft_is_priced_with_the_seeded_verification_where_measured():
     cheap = {1: (0.0003, 0.0001, 0.0, 0.0)}
     dear = {1: (0.03, 0.0, 0.0, 0.0)}
     curve = CostCurve(pts, {"sampled": cheap, "seeded": dear})
-    assert curve.verify_at(1, True, seeded=True) == (0.03, 0.0)
-    assert curve.verify_at(1, True) == (0.0003, 0.0001)
-    assert curve.verify_at(1, False, seeded=True) == (0.0, 0.0)  # greedy: no generator drawn
-    assert CostCurve(pts, {"sampled": cheap}).verify_at(1, True, seeded=True) == (0.0003, 0.0001)
+    assert curve.verify_row(1, True, seeded=True)[:2] == (0.03, 0.0)
+    assert curve.verify_row(1, True)[:2] == (0.0003, 0.0001)
+    assert curve.verify_row(1, False, seeded=True)[:2] == (0.0, 0.0)  # greedy: no generator drawn
+    unseeded = CostCurve(pts, {"sampled": cheap})
+    assert unseeded.verify_row(1, True, seeded=True)[:2] == (0.0003, 0.0001)
     assert Planner(CostModel(curve)).steady_draft(acc, "suffix4", 4) == 0
     assert Planner(CostModel(CostCurve(pts, {"sampled": cheap}))).steady_draft(acc, "suffix4", 4) > 0
     assert Planner(CostModel(CostCurve(pts, {"sampled": dear, "seeded": cheap}))).steady_draft(
@@ -881,7 +882,7 @@ def test_a_seeded_draft_is_priced_with_the_seeded_verification_where_measured():
     assert CostModel(sw).switch(4, True) == 0.001
     # the kind round-trips through the cache's JSON
     again = CostCurve.from_dict(curve.to_dict(), curve.verify_dict())
-    assert again.verify_at(1, True, seeded=True) == (0.03, 0.0)
+    assert again.verify_row(1, True, seeded=True)[:2] == (0.03, 0.0)
 
 
 def test_a_tree_that_gains_nothing_is_not_planned_where_drafts_look_cheap():

@@ -1,14 +1,9 @@
 """The engine's :class:`~vllm_lookahead.planner.cost_model.CostModel`, set up
-after vLLM's warm-up. ``cost_model`` (a lookahead setting): ``"auto"``, the
-curve cached for this model, dtype, parallel sizes, hardware and vLLM version,
-measured and cached where there is none; ``"measure"``, measured at every
-start; a path, the curve in that file; ``"off"``, assumed (each query token
-:data:`ASSUMED_PER_TOKEN` of a step), scaled by the steps seen.
-
-The measurement times the model's tree step on the engine's KV cache, ``B``
-requests of ``T`` query tokens over :data:`CONTEXT` cached ones, within
-:data:`BUDGET_S` seconds, and vLLM's samplers (:func:`measure_verify`).
-"""
+after vLLM's warm-up, by the ``cost_model`` setting: ``"auto"``, the curve
+cached for this model, dtype, parallel sizes, hardware and vLLM version, else
+measured (:func:`measure`, :func:`measure_verify`) and cached; ``"measure"``,
+measured at every start; a path, the curve in that file; ``"off"``, assumed
+(each query token :data:`ASSUMED_PER_TOKEN` of a step), scaled by the steps seen."""
 
 from __future__ import annotations
 
@@ -20,7 +15,7 @@ from vllm.logger import init_logger
 from vllm_lookahead.planner.cost_cache import CostCache, cache_key, load_curve
 from vllm_lookahead.planner.cost_model import (BATCH_LADDER, TOKEN_LADDER, CostCurve,
                                                CostModel, measure_curve)
-from vllm_lookahead.planner.machine import LoadProbe
+from vllm_lookahead.planner.machine import timed_under_load
 
 logger = init_logger("vllm." + __name__)
 
@@ -71,10 +66,11 @@ def build_cost_model(setting: str, runner, worker, agree=None) -> CostModel:
 
 
 def measure(runner, worker, agree=None) -> tuple[CostCurve, int]:
-    """Time the tree step on the engine's KV cache (module doc); returns the
-    curve and how many points stayed loaded (:data:`LOAD_CORES`; the waits
-    do not count against the budget). With tensor parallelism (``agree``)
-    there is no load check: the other ranks load the cores themselves."""
+    """Time the tree step on the engine's KV cache, ``b`` requests of ``t``
+    query tokens over :data:`CONTEXT` cached ones, within :data:`BUDGET_S`
+    seconds (the waits for load not counted); returns the curve and how many
+    points stayed loaded. With tensor parallelism (``agree``) there is no load
+    check: the other ranks load the cores themselves."""
     import numpy as np
 
     from vllm_lookahead.worker import TreeRequest
@@ -92,16 +88,13 @@ def measure(runner, worker, agree=None) -> tuple[CostCurve, int]:
                             positions=np.arange(context, context + t, dtype=np.int64),
                             mask=mask, context_len=context, batch_index=r) for r in range(b)]
         for attempt in range(LOAD_RETRIES + 1):
-            with LoadProbe() as probe:
+            if attempt:
                 t0 = time.perf_counter()
-                worker.run(reqs)
-                took = time.perf_counter() - t0
-            if agree is not None or probe.cores <= LOAD_CORES:
-                return took
-            if attempt < LOAD_RETRIES:
-                t1 = time.perf_counter()
                 time.sleep(LOAD_WAIT_S)
-                waited[0] += time.perf_counter() - t1
+                waited[0] += time.perf_counter() - t0
+            took, cores = timed_under_load(lambda: worker.run(reqs))
+            if agree is not None or cores <= LOAD_CORES:
+                return took
         loaded.add((b, t))
         return took
 
@@ -119,13 +112,8 @@ VERIFY_TEMPERATURE, VERIFY_TOP_P = 0.8, 0.95
 
 def measure_verify(runner, batches) -> dict:
     """:attr:`~vllm_lookahead.planner.cost_model.CostCurve.verify`, per kind
-    and batch ``b``: vLLM's samplers on synthetic peaked logits, the plain one
-    against the rejection sampler with one request drafting 1 and
-    :data:`VERIFY_LONG` tokens, every request 1 token accepted and (sampled)
-    rejected. ``first``: what each further drafting request adds, at most what
-    the one adds; ``switch``: the rest of that; ``bonus``: accepted over
-    rejected per request (0 where bonus rows are never skipped: greedy,
-    seeded). A failure is logged and measures nothing."""
+    and batch: vLLM's plain sampler against its rejection sampler on synthetic
+    peaked logits. A failure is logged and measures nothing."""
     try:
         return _measure_verify(runner, batches)
     except Exception as e:  # never stop the engine for a measurement
@@ -203,10 +191,12 @@ def _measure_verify(runner, batches) -> dict:
                 first = verified(spec([1] + [0] * (b - 1)), meta, b + 1)
                 last = verified(spec([VERIFY_LONG] + [0] * (b - 1)), meta, b + VERIFY_LONG)
                 accepted = verified(spec([1] * b), meta, 2 * b)
-                bonus = 0.0
-                if sampled and not seeded:  # the last token: no mass, rejected
-                    bonus = max(accepted - verified(spec([1] * b, vocab - 1), meta, 2 * b),
-                                0.0) / b
+                bonus = 0.0  # accepted over rejected (the last token, no mass) per request
+                if sampled and not seeded:  # elsewhere bonus rows are never skipped
+                    rejected = verified(spec([1] * b, vocab - 1), meta, 2 * b)
+                    bonus = max(accepted - rejected, 0.0) / b
+                # first: what each further drafting request adds, at most what the
+                # one adds; switch: the rest of that
                 one = max(first - plain, 0.0)
                 own = one if b == 1 else min(max(accepted - first, 0.0) / (b - 1), one)
                 out[kind][b] = (own, max(last - first, 0.0) / (VERIFY_LONG - 1), bonus, one - own)

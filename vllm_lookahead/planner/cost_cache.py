@@ -64,8 +64,8 @@ def load_curve(path: str | os.PathLike, key: dict | None = None) -> CostCurve | 
     """The curve in a file written by :class:`CostCache` or by hand, e.g.
     ``{"version": 2, "curve": {"1": [[1, 0.05], [16, 0.07]]}, "verify":
     {"sampled": {"1": [0.003, 0.0005]}}}`` (seconds; ``verify`` optional, as
-    :attr:`CostCurve.verify`; version 1: none). With ``key``, the file's must
-    equal it. None for a missing file, and with a warning for a bad one."""
+    :attr:`CostCurve.verify`). With ``key``, the file's must equal it. None for
+    a missing file, and with a warning for a bad one."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())

@@ -1,9 +1,6 @@
-"""What an engine step costs: a :class:`CostCurve` measured at start-up
-(:mod:`vllm_lookahead.branch.warmup`, cached by :mod:`.cost_cache`), corrected
-by the step times seen (:class:`CostModel`). Whether a draft or a tree pays
-depends on what query tokens cost on the machine at hand, so the planner asks.
-Pure Python; seconds per step, ``tokens`` query tokens per request.
-"""
+"""What an engine step costs, in seconds for ``tokens`` query tokens per
+request: a :class:`CostCurve` measured at start-up (:mod:`vllm_lookahead.branch.warmup`,
+cached by :mod:`.cost_cache`), corrected by the step times seen (:class:`CostModel`)."""
 
 from __future__ import annotations
 
@@ -11,6 +8,7 @@ import bisect
 import math
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Callable
 
 from vllm_lookahead.planner.fit import Plane, plane_features, plane_seconds
@@ -123,10 +121,6 @@ class CostCurve:
         f = (batch - lo) / (hi - lo)
         return tuple((1 - f) * a + f * b for a, b in zip(table[lo], table[hi]))
 
-    def verify_at(self, batch: int, sampled: bool, seeded: bool = False) -> tuple[float, float]:
-        """``(first, next)`` of :meth:`verify_row`."""
-        return self.verify_row(batch, sampled, seeded)[:2]
-
     def to_dict(self) -> dict:
         return {str(b): [[t, s] for t, s in pts] for b, pts in self.points.items()}
 
@@ -136,24 +130,13 @@ class CostCurve:
 
     @classmethod
     def from_dict(cls, d: dict, verify: dict | None = None) -> "CostCurve":
-        return cls({int(b): [(int(t), float(s)) for t, s in pts] for b, pts in d.items()},
-                   {kind: {int(b): tuple(row) for b, row in table.items()}
-                    for kind, table in (verify or {}).items()})
+        """The curve of :meth:`to_dict` and :meth:`verify_dict` (keys as strings)."""
+        return cls(d, verify or {})
 
     @classmethod
     def flat(cls, seconds: float = 1.0, per_token: float = 0.0) -> "CostCurve":
         """A synthetic curve: ``seconds * (1 + per_token * (tokens - 1))``."""
         return cls({1: [(1, seconds), (64, seconds * (1 + per_token * 63))]})
-
-
-def monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
-    """Each point the least cost measured at its size or above (other load
-    only ever adds time; a step never gets cheaper with more tokens)."""
-    out, low = [], math.inf
-    for t, s in reversed(points):
-        low = min(low, s)
-        out.append((t, low))
-    return out[::-1]
 
 
 def measure_curve(time_step: Callable[[int, int], float], batches=BATCH_LADDER,
@@ -185,8 +168,11 @@ def measure_curve(time_step: Callable[[int, int], float], batches=BATCH_LADDER,
         go = go and fill(b, 2)
     for b in batches:
         go = go and fill(b, len(tokens))
-    return CostCurve({b: monotone(pts) for b, pts in got.items()
-                      if len(pts) >= 2 or (b == batches[0] and pts)})
+    # each point the least measured at its size or above: other load only adds time
+    lows = {b: list(accumulate((s for _, s in reversed(pts)), min))[::-1]
+            for b, pts in got.items()}
+    return CostCurve({b: [(t, low) for (t, _), low in zip(pts, lows[b])]
+                      for b, pts in got.items() if len(pts) >= 2 or (b == batches[0] and pts)})
 
 
 class CostModel:
@@ -223,21 +209,13 @@ class CostModel:
         #: agreed corrections: (bucket, True) -> tree factor, (bucket, False) -> plane
         self.factors: dict[tuple[int, bool], object] = {}
         self._memo: dict[tuple, float] = {}
-        #: :meth:`agreed` calls so far
-        self.generation = 0
 
     def plain(self, batch: int, tokens: float) -> float:
         """The curve's price of a step without trees: less the tree path's
         fixed jump from 1 to 2 rows, and past batch 1 a draft token never
         dearer than one more token of a one-request step of as many tokens
         (vLLM runs a step's rows as one batch of tokens)."""
-        key = (batch, tokens)
-        got = self._plain.get(key)
-        if got is None:
-            if len(self._plain) >= self.MEMO_SIZE:
-                self._plain.clear()
-            got = self._plain[key] = self._plain_of(batch, tokens)
-        return got
+        return _memo(self._plain, (batch, tokens), self._plain_of, self.MEMO_SIZE)
 
     def _plain_of(self, batch: int, tokens: float) -> float:
         tree_path = self._rows(batch, tokens)
@@ -259,7 +237,7 @@ class CostModel:
     def verify(self, batch: int, sampled: bool, seeded: bool = False) -> tuple[float, float]:
         """``(first, next)`` seconds vLLM's verifier adds for a request's draft,
         as measured (not in :meth:`predict`; what a seeded draft is priced with)."""
-        return self.curve.verify_at(batch, sampled, seeded)
+        return self.curve.verify_row(batch, sampled, seeded)[:2]
 
     def bonus(self, batch: int, sampled: bool) -> float:
         """What a request's lazily sampled bonus row costs: a rejected draft saves it."""
@@ -277,13 +255,7 @@ class CostModel:
                 drafting: int | None = None) -> float:
         """Seconds of a step of ``batch`` requests, ``tokens`` query tokens each
         on average, ``drafting`` of them drafting (None: all if ``tokens`` > 1)."""
-        key = (batch, tokens, tree, drafting)
-        s = self._memo.get(key)
-        if s is None:
-            if len(self._memo) >= self.MEMO_SIZE:
-                self._memo.clear()
-            s = self._memo[key] = self._predict(batch, tokens, tree, drafting)
-        return s
+        return _memo(self._memo, (batch, tokens, tree, drafting), self._predict, self.MEMO_SIZE)
 
     def _predict(self, batch: int, tokens: float, tree: bool, drafting: int | None) -> float:
         b = bucket_of(batch)
@@ -327,10 +299,9 @@ class CostModel:
             # the prior: the curve's plain step (forgotten as steps come) and
             # its draft slopes (held for ever; a drafting request's: 0)
             line.add(plane_features(b, b, 1, None), self.plain(b, 1), self.PRIOR_WEIGHT)
-            line.set_slope_prior(
-                (max(self.plain(2 * b, 1) - self.plain(b, 1), 0.0) / b,
-                 (self.plain(b, 8) - self.plain(b, 1)) / (7 * b), 0.0),
-                (self.SLOPE_PRIOR * b, self.SLOPE_PRIOR * b * b, self.SLOPE_PRIOR))
+            line.prior = (max(self.plain(2 * b, 1) - self.plain(b, 1), 0.0) / b,
+                          (self.plain(b, 8) - self.plain(b, 1)) / (7 * b), 0.0)
+            line.strength = (self.SLOPE_PRIOR * b, self.SLOPE_PRIOR * b * b, self.SLOPE_PRIOR)
         # one step moves the fit by at most a factor 2 of evidence (a step
         # that waited on a pause of the process must not drag it)
         x = plane_features(batch, b, tokens, drafting)
@@ -357,7 +328,6 @@ class CostModel:
     def agreed(self, factors: dict) -> None:
         self.factors = dict(factors)
         self._memo.clear()
-        self.generation += 1
 
     def snapshot(self) -> dict:
         """The stats' ``cost_model``: milliseconds; ``verify_ms`` rows as
@@ -373,3 +343,13 @@ class CostModel:
                           for kind, table in self.curve.verify.items()},
             "correction": corr,
         }
+
+
+def _memo(memo: dict, key: tuple, compute: Callable[..., float], size: int) -> float:
+    """``compute(*key)``, kept in ``memo`` (emptied when it holds ``size``)."""
+    got = memo.get(key)
+    if got is None:
+        if len(memo) >= size:
+            memo.clear()
+        got = memo[key] = compute(*key)
+    return got

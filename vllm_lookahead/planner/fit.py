@@ -1,6 +1,6 @@
 """The plane :class:`~.cost_model.CostModel` fits, per batch bucket, to the
 steps without trees: exponentially weighted least squares, each slope held
-towards a prior and at 0 or more. Pure Python: three unknowns, one fit a step."""
+towards a prior and at 0 or more."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ class Plane:
     """``y = a + p*u + q*v + r*m`` (:func:`plane_features`: ``u`` requests past
     the bucket's size, ``v`` the step's draft tokens, ``m`` its drafting
     requests), fitted together so that what more requests cost is not taken
-    for what their drafts cost. Each slope is held towards its prior with a
-    never-forgotten ``strength`` (:meth:`set_slope_prior`), so a feature the
-    steps hardly vary keeps its prior slope."""
+    for what their drafts cost. Each slope is held towards its ``prior`` with a
+    never-forgotten ``strength``, so a feature the steps hardly vary keeps its
+    prior slope."""
 
     K = 3
     __slots__ = ("w", "mx", "my", "cxx", "cxy", "prior", "strength")
@@ -22,9 +22,6 @@ class Plane:
         self.mx, self.cxy = [0.0] * self.K, [0.0] * self.K
         self.cxx = [[0.0] * self.K for _ in range(self.K)]
         self.prior, self.strength = [0.0] * self.K, [0.0] * self.K
-
-    def set_slope_prior(self, slopes, strengths) -> None:
-        self.prior, self.strength = list(slopes), list(strengths)
 
     def add(self, x, y: float, weight: float = 1.0, keep: float = 1.0) -> None:
         """Book ``y`` at features ``x``, the sums so far scaled by ``keep``."""

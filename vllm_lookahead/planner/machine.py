@@ -1,6 +1,5 @@
 """What the machine is (:func:`hardware_id`, part of a cached curve's key) and
-how busy other processes keep it while something is timed (:class:`LoadProbe`).
-Linux ``/proc`` where there is one, the standard library elsewhere."""
+how busy other processes keep it while something is timed (:func:`timed_under_load`)."""
 
 from __future__ import annotations
 
@@ -8,6 +7,7 @@ import hashlib
 import os
 import platform
 import time
+from typing import Callable
 
 
 def hardware_id() -> dict:
@@ -44,18 +44,12 @@ def machine_busy_s() -> float | None:
     return (user + nice + system + irq + softirq + steal) / (os.sysconf("SC_CLK_TCK") or 100)
 
 
-class LoadProbe:
-    """``with LoadProbe() as p: ...``: ``p.cores`` is the other processes' CPU
-    load meanwhile (the machine's busy time less this process's), in cores
-    (0 where unknown)."""
-
-    def __enter__(self) -> "LoadProbe":
-        self._busy, self._own, self._t = machine_busy_s(), time.process_time(), time.perf_counter()
-        self.cores = 0.0
-        return self
-
-    def __exit__(self, *exc) -> None:
-        busy, wall = machine_busy_s(), time.perf_counter() - self._t
-        if busy is not None and self._busy is not None and wall > 0:
-            other = (busy - self._busy) - (time.process_time() - self._own)
-            self.cores = max(0.0, other / wall)
+def timed_under_load(fn: Callable[[], object]) -> tuple[float, float]:
+    """Seconds ``fn()`` took and the other processes' CPU load meanwhile (the
+    machine's busy time less this process's), in cores (0 where unknown)."""
+    busy, own, t0 = machine_busy_s(), time.process_time(), time.perf_counter()
+    fn()
+    took, busy_after = time.perf_counter() - t0, machine_busy_s()
+    if busy is None or busy_after is None or took <= 0:
+        return took, 0.0
+    return took, max(0.0, (busy_after - busy - (time.process_time() - own)) / took)
