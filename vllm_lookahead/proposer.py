@@ -50,9 +50,8 @@ class LookaheadProposer:
             SharedMemory(cfg.memory_tokens, delay=cfg.ngram_size) if cfg.shared_memory else None)
         self.worker = None  # LookaheadWorker, made at warm-up
         self.trees_unsupported: str | None = None  # why the trees cannot run here
-        # this step (on_update_states): tokens scheduled per request, vLLM's
-        # draft length for the batch size, no new or resumed request, requests
-        # waiting for a slot (patch 16; None: not reported)
+        # this step (on_update_states): tokens scheduled per request, vLLM's draft length,
+        # no new or resumed request, requests waiting for a slot (None: not reported)
         self._scheduled: dict[str, int] = {}
         self._spec_k = self.num_spec_tokens
         self._clean = False
@@ -101,7 +100,9 @@ class LookaheadProposer:
         resume (rebuilt from their tokens on their next step)."""
         resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()) or ()
         for req_id in (*scheduler_output.finished_req_ids, *resumed):
-            self._forget(req_id)
+            state = self.states.pop(req_id, None)
+            if state is not None and state.memory_doc is not None:
+                self.memory.close(state.memory_doc)
         self._scheduled = scheduler_output.num_scheduled_tokens
         self._clean = not scheduler_output.scheduled_new_reqs and not resumed
         k = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
@@ -186,8 +187,9 @@ class LookaheadProposer:
         # the batch as a whole: nothing waits and every row decodes with lookahead
         closed = (self.cfg.batch_end and self._waiting == 0
                   and len(live) == num_decoding == len(sampled_token_ids))
-        drafts, planned = self.step.run(live, len(sampled_token_ids), num_decoding, spec_k,
-                                        joined, token_ids, self._run_trees, closed=closed)
+        drafts, planned = self.step.run(  # separate mode's trees: worker.run
+            live, len(sampled_token_ids), num_decoding, spec_k, joined, token_ids,
+            lambda rows: self.worker.run(_tree_requests(rows)), closed=closed)
         self.stats.live_requests = len(self.states)
         t1 = time.perf_counter()
         self.stats.proposer_time_s += t1 - t0
@@ -251,14 +253,6 @@ class LookaheadProposer:
         self.states[req_id] = state
         return state
 
-    def _forget(self, req_id: str) -> None:
-        state = self.states.pop(req_id, None)
-        if state is not None and state.memory_doc is not None:
-            self.memory.close(state.memory_doc)
-
-    def _run_trees(self, rows: list[tuple[int, PlannedTree]]) -> list[np.ndarray]:
-        """Separate mode: per ``(batch row, tree)``, the int64 ``[T]`` argmax."""
-        return self.worker.run(_tree_requests(rows))
 
 
 class StepTimer:

@@ -48,8 +48,6 @@ def unsupported_reason(impl, kv, block_size: int) -> str | None:
         (getattr(impl, "kv_sharing_target_layer_name", None), "KV sharing between layers"),
         (kv_dtype not in ("auto", None), f"kv_cache_dtype={kv_dtype!r}"),
         (attn_type not in ("decoder", "DECODER"), f"attention type {attn_type!r}"),
-        (not callable(getattr(impl, "do_kv_cache_update", None)),
-         "no do_kv_cache_update (the cache writer the layout probe uses)"),
         (getattr(impl, "head_size", None) is None, "no head_size"),
         (not isinstance(kv, torch.Tensor) or kv.dim() != 4,
          "a KV cache that is not one [blocks, heads, block_size, C] view"),
@@ -214,10 +212,9 @@ def _spread(pred: np.ndarray, spans) -> list[np.ndarray]:
     """Per request int64 ``[T]``: the read nodes' argmax, -1 elsewhere."""
     out, k = [], 0
     for nodes, t in spans:
-        full = np.full(t, -1, dtype=np.int64)
-        full[nodes] = pred[k:k + len(nodes)]
+        out.append(np.full(t, -1, dtype=np.int64))
+        out[-1][nodes] = pred[k:k + len(nodes)]
         k += len(nodes)
-        out.append(full)
     return out
 
 

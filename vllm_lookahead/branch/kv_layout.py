@@ -12,8 +12,6 @@ from typing import Callable
 
 import torch
 
-#: The backend's writer: ``(key, value [tokens, H, D], cache, flat slots)``
-WriteFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 #: ``(start, sizes, strides)`` over the tile digits ``(t1, t0, d1, d0)``.
 View = tuple[int, tuple[int, ...], tuple[int, ...]]
 
@@ -92,13 +90,12 @@ def scratch_like(cache: torch.Tensor, num_blocks: int = 1) -> torch.Tensor:
     return phys.permute(*[order.index(i) for i in range(cache.dim())])
 
 
-def probe_page_layout(cache: torch.Tensor, head_size: int, write_fn: WriteFn) -> PageLayout:
-    """Where ``write_fn`` puts K and V in ``cache``'s cells (``cache`` itself
-    is not written): it writes small integers (exact in bfloat16) coding the
-    token, dim and head, K as +1 and V as -1. Raises :class:`UnsupportedLayout`
-    unless every head holds K and V as the same permutation."""
-    if cache.dim() != 4:
-        raise UnsupportedLayout(f"KV cache view of shape {tuple(cache.shape)} is not 4-D")
+def probe_page_layout(cache: torch.Tensor, head_size: int,
+                      write_fn: Callable[..., None]) -> PageLayout:
+    """Where ``write_fn(key, value [tokens, H, D], cache, flat slots)`` puts K
+    and V in the cells of ``cache`` (4-D, not written): small integers (exact
+    in bfloat16) coding token, dim and head, K as +1 and V as -1. Raises
+    :class:`UnsupportedLayout` unless every head holds K and V alike."""
     _, kvh, bs, c = cache.shape
     hd = head_size
     if c < 2 * hd:
@@ -117,7 +114,7 @@ def probe_page_layout(cache: torch.Tensor, head_size: int, write_fn: WriteFn) ->
         write_fn(vals, (-vals).contiguous(), page, slots)
         return page[0].reshape(kvh, bs * c).float().cpu()
 
-    def code(idx: torch.Tensor) -> torch.Tensor:
+    def code(idx: torch.Tensor) -> torch.Tensor:  # idx where it was written, else -1
         return write(idx + 1).abs() - 1
 
     tc = code(t_idx % 64) + 64 * code(t_idx // 64)

@@ -129,9 +129,7 @@ class TreeAttentionImpl:
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         n = slot_mapping.shape[0]  # a fused step's tree rows are not cached
-        if key.shape[0] != n:
-            key, value = key[:n], value[:n]
-        return self._inner.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        return self._inner.do_kv_cache_update(layer, key[:n], value[:n], kv_cache, slot_mapping)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         if isinstance(attn_metadata, TreeAttnMetadata):
