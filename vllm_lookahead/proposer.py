@@ -66,6 +66,9 @@ class LookaheadProposer:
             how += f", off from {self.step.disable_batch_size} decoding requests"
         logger.info("Lookahead decoding: %s, draft length %d, %s", cfg, self.num_spec_tokens, how)
 
+    def load_model(self, model) -> None:
+        """Nothing to load: lookahead drafts with the target model itself."""
+
     def propose(self, *args, **kwargs) -> list[list[int]]:
         raise RuntimeError("LookaheadProposer.propose() is called through vllm_lookahead."
                            "patches (is the plugin loaded? check `VLLM_PLUGINS`)")
