@@ -253,7 +253,7 @@ def test_everything_follows_the_cache_device():
         assert meta.float_mask(0, -1, torch.float32).device == meta_dev
         assert meta.float_mask(0, 8, torch.float32).device == meta_dev
         if sizes == "mixed":
-            assert all(t.device == meta_dev for t in meta.rows_slots())
+            assert all(t.device == meta_dev for t in meta.rows_slots)
         inner = SimpleNamespace(scale=0.2, logits_soft_cap=0.0, sliding_window=-1)
         impl = TreeAttentionImpl(inner, "layer", 0, lay, owner=None)
         q = torch.empty(total, 4, HD, device=meta_dev)

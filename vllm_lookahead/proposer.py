@@ -1,10 +1,7 @@
-"""The lookahead proposer vLLM instantiates for ``method="lookahead"``.
-
-It maps vLLM's runner and scheduler output onto the engine-agnostic drafting
-(:mod:`.planner.step`, :mod:`.algo.drafting`) and back: the hooks :mod:`.patches`
-calls, the per-request settings read from vLLM's requests, and the step timing
-that corrects the planner's cost model.
-"""
+"""The lookahead proposer vLLM instantiates for ``method="lookahead"``: maps
+vLLM's runner and scheduler output onto the engine-agnostic drafting
+(:mod:`.planner.step`, :mod:`.algo.drafting`) and back, for the hooks
+:mod:`.patches` calls, and times the steps for the planner's cost model."""
 
 from __future__ import annotations
 
@@ -36,44 +33,38 @@ class LookaheadProposer:
         self.cfg = cfg = LookaheadConfig.from_dict(
             (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY, {}))
         self.fused = cfg.mode == "fused"
-        note = graphs_note(getattr(vllm_config.compilation_config, "cudagraph_mode", None))
-        if self.fused and note:
-            logger.info("Lookahead: %s", note)
+        graphs = getattr(getattr(vllm_config.compilation_config, "cudagraph_mode", None),
+                         "name", "NONE")
+        if self.fused and graphs != "NONE":
+            logger.info("Lookahead: cudagraph_mode=%s: steps that carry trees run without CUDA "
+                        "graph replay; steps without trees replay vLLM's graphs", graphs)
         #: max tokens of one forward (vLLM's compiled shapes end there)
-        self.max_step_tokens = getattr(vllm_config.scheduler_config,
-                                       "max_num_batched_tokens", None)
+        self.max_step_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self.num_spec_tokens = vllm_config.speculative_config.num_speculative_tokens
         self.max_model_len = vllm_config.model_config.max_model_len
         self.states: dict[str, RequestState] = {}
         self.stats = LookaheadStats()
         self.prior = AcceptancePrior(max_cands=cfg.guess_set_size)
         self.step = StepDrafter(cfg, self.fused, self.max_model_len, self.stats, self.prior)
-        self.disable_batch_size = self.step.disable_batch_size
         self.memory = self.step.memory = (
             SharedMemory(cfg.memory_tokens, delay=cfg.ngram_size) if cfg.shared_memory else None)
         self.worker = None  # LookaheadWorker, made at warm-up
         self.trees_unsupported: str | None = None  # why the trees cannot run here
-        # this step (on_update_states): tokens scheduled per request, vLLM's
-        # draft length for the batch size, no new or resumed request, requests
-        # waiting for a slot (patch 16; None: not reported)
+        # this step (on_update_states): tokens scheduled per request, vLLM's draft length,
+        # no new or resumed request, requests waiting for a slot (None: not reported)
         self._scheduled: dict[str, int] = {}
-        self._spec_k: int | None = None
+        self._spec_k = self.num_spec_tokens
         self._clean = False
         self._waiting = None
         #: fused: req id -> (its tree, its index in the worker's fused_preds)
         self._fused_out: dict[str, tuple[PlannedTree, int]] = {}
-        #: rank 0's value on every tensor-parallel rank (None: one rank)
         tp = vllm_config.parallel_config.tensor_parallel_size
-        self._agree = _rank0_choice if tp > 1 else None
+        self._agree = _rank0_choice if tp > 1 else None  # rank 0's value on every TP rank
         self._timer = StepTimer(self._agree)
         how = "planned per step" if cfg.adaptive else "fixed tree"
-        if self.disable_batch_size:
-            how += f", off from {self.disable_batch_size} decoding requests"
+        if self.step.disable_batch_size:
+            how += f", off from {self.step.disable_batch_size} decoding requests"
         logger.info("Lookahead decoding: %s, draft length %d, %s", cfg, self.num_spec_tokens, how)
-
-    @property
-    def planner(self) -> Planner | None:
-        return self.step.planner
 
     def load_model(self, model) -> None:
         """Nothing to load: lookahead drafts with the target model itself."""
@@ -83,8 +74,7 @@ class LookaheadProposer:
                            "patches (is the plugin loaded? check `VLLM_PLUGINS`)")
 
     def warm_up(self, runner) -> None:
-        """Once the KV cache exists: wrap the attention layers and set up the
-        planner's cost model (``cost_model``)."""
+        """Once the KV cache exists: wrap the attention layers, set up the planner."""
         if self.worker is None and self.step.trees:
             from vllm_lookahead.worker import LookaheadWorker, TreesUnsupported
 
@@ -96,7 +86,7 @@ class LookaheadProposer:
                                e, ", planned per step" if self.cfg.adaptive else "")
                 self.step.trees = False
                 self.trees_unsupported = str(e)
-        if self.cfg.adaptive and self.planner is None:
+        if self.cfg.adaptive and self.step.planner is None:
             import vllm_lookahead.cpu.sampling as cpu_sampling
             from vllm_lookahead.branch.warmup import build_cost_model
 
@@ -113,10 +103,13 @@ class LookaheadProposer:
         resume (rebuilt from their tokens on their next step)."""
         resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", ()) or ()
         for req_id in (*scheduler_output.finished_req_ids, *resumed):
-            self._forget(req_id)
+            state = self.states.pop(req_id, None)
+            if state is not None and state.memory_doc is not None:
+                self.memory.close(state.memory_doc)
         self._scheduled = scheduler_output.num_scheduled_tokens
         self._clean = not scheduler_output.scheduled_new_reqs and not resumed
-        self._spec_k = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
+        k = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
+        self._spec_k = self.num_spec_tokens if k is None else min(self.num_spec_tokens, int(k))
         self._waiting = getattr(scheduler_output, WAITING_ATTR, None)
 
     def model_forward(self, runner, forward, input_ids, positions, **kwargs):
@@ -127,8 +120,8 @@ class LookaheadProposer:
             return forward(input_ids=input_ids, positions=positions, **kwargs)
         index = runner.input_batch.req_id_to_index
         computed = runner.input_batch.num_computed_tokens_cpu
-        room = int(self.max_step_tokens) - int(input_ids.shape[0]) if self.max_step_tokens else None
-        rows, req_ids = [], []
+        room = self.max_step_tokens - int(input_ids.shape[0])
+        rows = []
         for req_id, state in self.states.items():
             plan, state.plan = state.plan, None
             if plan is None:
@@ -141,12 +134,12 @@ class LookaheadProposer:
             else:
                 ok = (i is not None and n == plan.num_scheduled
                       and int(computed[i]) + n == plan.root_pos)
-            if not ok or (room is not None and len(plan.tokens) > room):
+            if not ok or len(plan.tokens) > room:
                 self.stats.trees_dropped += 1
                 continue
-            room = room - len(plan.tokens) if room is not None else None
+            room -= len(plan.tokens)
+            self._fused_out[req_id] = (plan, len(rows))  # its index in fused_preds
             rows.append((i, plan))
-            req_ids.append(req_id)
         if not rows:
             return forward(input_ids=input_ids, positions=positions, **kwargs)
         trees = _tree_requests(rows)
@@ -154,28 +147,21 @@ class LookaheadProposer:
         self.stats.lookahead_query_tokens += sum(len(t.tokens) for t in trees)
         self.stats.fused_trees += len(trees)
         self.stats.fused_steps += 1
-        self._fused_out = {q: (plan, r) for r, (q, (_, plan)) in enumerate(zip(req_ids, rows))}
         return hidden
 
-    def take_extra_rows(self):  # patch 12: the tree rows in vLLM's logits call
-        return self.worker.take_extra_rows() if self.worker is not None else None
+    def take_extra_rows(self):  # patch 12 (installed with a worker): its logits call
+        return self.worker.take_extra_rows()
 
     def put_extra_logits(self, logits) -> None:
-        if self.worker is not None:
-            self.worker.put_extra_logits(logits)
+        self.worker.put_extra_logits(logits)
 
     def propose_for_runner(self, runner, sampled_token_ids: list[list[int]]) -> list[list[int]]:
         """Drafts for every row of the runner's batch."""
         t0 = time.perf_counter()
-        if (self.worker is None and self.step.trees) or (self.cfg.adaptive
-                                                         and self.planner is None):
-            self.warm_up(runner)
-        batch = runner.input_batch
+        self.warm_up(runner)  # where vLLM's warm-up did not
+        batch, spec_k = runner.input_batch, self._spec_k
         token_ids = batch.token_ids_cpu
         fused_out, self._fused_out = self._fused_out, {}
-        spec_k = self.num_spec_tokens
-        if self._spec_k is not None:
-            spec_k = min(spec_k, int(self._spec_k))
         live: list[Live] = []
         num_decoding, clean, joined = 0, self._clean, False
         for i, sampled in enumerate(sampled_token_ids):
@@ -200,12 +186,13 @@ class LookaheadProposer:
             chain = [] if out is None else harvest(
                 state, out[0], self.worker.fused_preds()[out[1]], sampled, self.memory)
             live.append(Live(i, state, n_tok, min(spec_k, self.max_model_len - n_tok - 1), chain))
-        self._timer.book(self.planner, t0, clean, len(live))
+        self._timer.book(self.step.planner, t0, clean, len(live))
         # the batch as a whole: nothing waits and every row decodes with lookahead
         closed = (self.cfg.batch_end and self._waiting == 0
                   and len(live) == num_decoding == len(sampled_token_ids))
-        drafts, planned = self.step.run(live, len(sampled_token_ids), num_decoding, spec_k,
-                                        joined, token_ids, self._run_trees, closed=closed)
+        drafts, planned = self.step.run(  # separate mode's trees: worker.run
+            live, len(sampled_token_ids), num_decoding, spec_k, joined, token_ids,
+            lambda rows: self.worker.run(_tree_requests(rows)), closed=closed)
         self.stats.live_requests = len(self.states)
         t1 = time.perf_counter()
         self.stats.proposer_time_s += t1 - t0
@@ -215,13 +202,13 @@ class LookaheadProposer:
     def get_stats(self) -> dict:
         self.stats.live_requests = len(self.states)
         self.stats.pool_ngrams = sum(len(s.pool) for s in self.states.values())
-        planner, mem = self.planner, self.memory
+        planner, mem = self.step.planner, self.memory
         return {
             **self.stats.to_dict(), "config": self.cfg.to_dict(),
             "mode": "fused" if self.fused else "separate",
             "trees_unsupported": self.trees_unsupported,
             "kv_page_layouts": getattr(self.worker, "layouts", None),
-            "disable_batch_size": self.disable_batch_size,
+            "disable_batch_size": self.step.disable_batch_size,
             "cost_model": planner.cost.snapshot() if planner is not None else None,
             "explored_trees": planner.explored if planner is not None else 0,
             "acceptance_prior": self.prior.snapshot(),
@@ -248,14 +235,13 @@ class LookaheadProposer:
         except LookaheadConfigError as e:  # validated by the frontend; be safe
             logger.warning("Lookahead: request %s: %s; lookahead off for it", req_id, e)
             settings = RequestSettings(enabled=False)
-        sampled = params is not None and float(getattr(params, "temperature", 0.0) or 0.0) >= 1e-5
+        sampled = float(getattr(params, "temperature", 0.0) or 0.0) >= 1e-5
         # a seeded request samples the same tokens every run: nothing that
         # decides its drafts may depend on timing or on other requests
         seeded = sampled and getattr(params, "seed", None) is not None
         state = new_state(settings, tokens, n_tok, n_prompt, getattr(params, "max_tokens", None),
                           seeded, self.cfg.seed, self.prior)
-        state.group = sibling_group(req_id)
-        state.sampled = sampled
+        state.group, state.sampled = sibling_group(req_id), sampled
         state.lazy_bonus = lazy_bonus.request_applies(params)
         if seeded:
             state.seeded_batch = seeded_batch(params, self.cfg.seeded_batch,
@@ -270,35 +256,23 @@ class LookaheadProposer:
         self.states[req_id] = state
         return state
 
-    def _forget(self, req_id: str) -> None:
-        state = self.states.pop(req_id, None)
-        if state is not None and state.memory_doc is not None:
-            self.memory.close(state.memory_doc)
-
-    def _run_trees(self, rows: list[tuple[int, PlannedTree]]) -> list[np.ndarray]:
-        """Separate mode: per ``(batch row, tree)``, the int64 ``[T]`` argmax."""
-        return self.worker.run(_tree_requests(rows))
 
 
 class StepTimer:
     """Books the engine's steps into the planner's cost model: a step runs
-    from the end of one proposer call (its drafts planned) to the start of
-    the next."""
+    from the end of one proposer call (its drafts planned) to the next's start."""
 
     AGREE_EVERY = 32  # steps between two agreements of the TP ranks' corrections
 
     def __init__(self, agree) -> None:
         self.agree = agree  # rank 0's value on every TP rank (None: one rank)
-        #: the last planned step (``StepDrafter.run``'s ``planned``: decoding
-        #: requests, query tokens per request, trees or not, drafting requests,
-        #: verification counted, least verification or None), then its end
+        #: the last step as planned (``StepDrafter.run``'s ``planned``), then its end
         self.last: tuple | None = None
         self.calls = 0
 
     def book(self, planner: Planner | None, now: float, clean: bool, num_live: int) -> None:
-        """Book the step that just ran, if it ran as planned (as many
-        requests, no prefill), less the verification its plan counted (at
-        most half the step: the planes learn what a wrong estimate leaves)."""
+        """Book the step that just ran if it ran as planned (as many requests,
+        no prefill), less the verification its plan counted (at most half)."""
         if planner is None:
             return
         cost, last = planner.cost, self.last
@@ -314,15 +288,6 @@ class StepTimer:
     def planned(self, planned: tuple | None, end: float) -> None:
         """The step just planned (None: not timed) and its proposer call's end."""
         self.last = (*planned, end) if planned is not None else None
-
-
-def graphs_note(cudagraph_mode) -> str | None:
-    """What fused mode does under ``cudagraph_mode`` (None: no graphs)."""
-    name = str(getattr(cudagraph_mode, "name", cudagraph_mode))
-    if cudagraph_mode is None or name == "NONE":
-        return None
-    return (f"cudagraph_mode={name}: steps that carry lookahead trees run without CUDA graph "
-            "replay (compiled, eager attention); steps without trees replay vLLM's graphs")
 
 
 def _tree_requests(rows: list[tuple[int, PlannedTree]]) -> list:
@@ -341,9 +306,8 @@ def _rank0_choice(obj):
 
 
 def seeded_batch(params, least: int, max_num_seqs: int) -> int:
-    """The batch a seeded request's draft is priced in, fixed at its start:
-    its parent's n (``SAMPLES_KEY``, from the frontend) or ``least``, whichever
-    is larger, at most ``max_num_seqs``."""
+    """The batch a seeded request's draft is priced in: its parent's n
+    (``SAMPLES_KEY``) or ``least``, whichever is larger, at most ``max_num_seqs``."""
     try:
         n = int((getattr(params, "extra_args", None) or {}).get(SAMPLES_KEY, 1) or 1)
     except (TypeError, ValueError):

@@ -1,8 +1,6 @@
-"""Lookahead statistics a program can read (``get_lookahead_stats``).
-
-vLLM's own ``vllm:spec_decode_*`` metrics already count our drafts; these are
-the figures only lookahead knows (README, "Statistics", lists every key).
-"""
+"""Lookahead statistics a program can read (``get_lookahead_stats``): the
+figures only lookahead knows (README, "Statistics", lists every key); vLLM's
+``vllm:spec_decode_*`` metrics already count our drafts."""
 
 from __future__ import annotations
 
@@ -10,12 +8,15 @@ from dataclasses import asdict, dataclass, field
 
 from vllm_lookahead.algo.state import SOURCES
 
-#: The worker method :mod:`vllm_lookahead.patches` adds to vLLM's workers
-#: (:func:`worker_stats`), called through ``collective_rpc``.
+#: The worker method :mod:`vllm_lookahead.patches` adds (:func:`worker_stats`).
 WORKER_STATS_METHOD = "lookahead_stats"
 
 #: How a request ran a step: with a tree, with a draft but no tree, neither.
 ARMS = ("tree", "pool", "off")
+
+#: ``cpu.sampling.COUNTS`` fields whose stats key is not ``verify_<field>``.
+_VERIFY_KEYS = {"rows": "top_p_rows", "fallback_rows": "top_p_fallback_rows",
+                "verified_rows": "rows_computed"}
 
 
 @dataclass
@@ -40,8 +41,6 @@ class LookaheadStats:
     unchecked_drafts: int = 0  # drafts no tree checked
     steps_window_off: int = 0  # steps whose tree budget left the windows out
     steps_off: int = 0  # steps at or past disable_batch_size
-    steps_quiet: int = 0  # steps where no draft could pay: per-request work skipped
-    requests_quiet: int = 0  # request-steps skipped so (quiet step or own bound)
     requests_unpaid: int = 0  # request-steps off after their lookup, unsearched
     sibling_steps: int = 0  # request-steps of samples planned for their parent
     sibling_ahead_steps: int = 0  # of them planned at less than a token
@@ -58,25 +57,18 @@ class LookaheadStats:
     drafts_by_kind: dict[str, list[int]] = field(default_factory=dict)
     seeded_by_batch: dict[str, int] = field(default_factory=dict)  # seeded requests by priced batch
 
-    @property
-    def step_compression(self) -> float:
-        """Generated tokens per request-step (1.0 = vanilla)."""
-        return self.generated_tokens / self.decode_steps if self.decode_steps else 0.0
-
-    @property
-    def tokens_per_forward(self) -> float:
-        """Generated tokens per target forward a request took part in, extra passes included."""
-        forwards = self.decode_steps + self.pass_requests
-        return self.generated_tokens / forwards if forwards else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
     def to_dict(self) -> dict:
-        return {**asdict(self), "step_compression": self.step_compression,
-                "acceptance_rate": self.acceptance_rate,
-                "tokens_per_forward": self.tokens_per_forward}
+        """The counters with their ratios; ``steps_quiet``, ``requests_quiet``
+        stay 0 (nothing skips a step's per-request work)."""
+        forwards = self.decode_steps + self.pass_requests
+        return {**asdict(self), "steps_quiet": 0, "requests_quiet": 0,
+                "step_compression": _ratio(self.generated_tokens, self.decode_steps),
+                "acceptance_rate": _ratio(self.accepted_tokens, self.draft_tokens),
+                "tokens_per_forward": _ratio(self.generated_tokens, forwards)}
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else 0.0
 
 
 def worker_drafter(worker):
@@ -94,11 +86,7 @@ def worker_stats(worker) -> dict | None:
 
     return {**get(),
             "plain_sampler_steps": getattr(worker.model_runner, "lookahead_plain_samples", 0),
-            "verify_top_p_rows": COUNTS.rows, "verify_top_p_fallback_rows": COUNTS.fallback_rows,
-            "verify_tie_rows": COUNTS.tie_rows, "verify_tie_rows_sorted": COUNTS.tie_rows_sorted,
-            "verify_draft_rows": COUNTS.draft_rows, "verify_rows_computed": COUNTS.verified_rows,
-            "verify_bonus_rows": COUNTS.bonus_rows,
-            "verify_bonus_rows_sampled": COUNTS.bonus_rows_sampled}
+            **{f"verify_{_VERIFY_KEYS.get(k, k)}": v for k, v in asdict(COUNTS).items()}}
 
 
 def get_lookahead_stats(llm) -> dict:

@@ -1,11 +1,7 @@
-"""Runs the lookahead trees inside vLLM's model runner.
-
-Every attention layer's impl is wrapped by :class:`TreeAttentionImpl`. Fused
-mode (:meth:`LookaheadWorker.fused_forward`) appends the trees' tokens to
-vLLM's own of a step: vLLM attends and caches its rows as usual, the wrapper
-attends the tree rows over each request's cache, read only. Separate mode
-(:meth:`LookaheadWorker.run`) is a second forward over the trees alone.
-"""
+"""Runs the lookahead trees inside vLLM's model runner, every attention impl
+wrapped by :class:`TreeAttentionImpl`: fused mode appends the trees' tokens to
+vLLM's own of a step (the tree rows attend each request's cache, read only),
+separate mode runs a second forward over the trees alone."""
 
 from __future__ import annotations
 
@@ -26,10 +22,9 @@ logger = init_logger("vllm." + __name__)  # under "vllm": vLLM configures that l
 
 @dataclass
 class TreeRequest:
-    """One request's tree: ``tokens`` int32 ``[T]``, ``positions`` int64
-    ``[T]``, ``mask`` bool ``[T, T]`` (a node sees its ancestors and itself),
-    rooted after ``context_len`` cached tokens, in row ``batch_index`` of the
-    runner's input batch; ``read`` the nodes whose argmax is read (None: all)."""
+    """One request's tree: ``tokens`` int32 ``[T]``, ``positions`` int64 ``[T]``,
+    ``mask`` bool ``[T, T]``, after ``context_len`` cached tokens, in row
+    ``batch_index`` of the input batch; ``read``: the nodes read (None: all)."""
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -53,8 +48,6 @@ def unsupported_reason(impl, kv, block_size: int) -> str | None:
         (getattr(impl, "kv_sharing_target_layer_name", None), "KV sharing between layers"),
         (kv_dtype not in ("auto", None), f"kv_cache_dtype={kv_dtype!r}"),
         (attn_type not in ("decoder", "DECODER"), f"attention type {attn_type!r}"),
-        (not callable(getattr(impl, "do_kv_cache_update", None)),
-         "no do_kv_cache_update (the cache writer the layout probe uses)"),
         (getattr(impl, "head_size", None) is None, "no head_size"),
         (not isinstance(kv, torch.Tensor) or kv.dim() != 4,
          "a KV cache that is not one [blocks, heads, block_size, C] view"),
@@ -76,9 +69,8 @@ class LookaheadWorker:
         #: the trees of a fused forward while it runs, else None
         self.fused_meta: TreeAttnMetadata | None = None
         # fused step: the read tree rows' hidden states until vLLM's logits
-        # call (patch 12) takes them, their argmax, per-request spans, preds
+        # call (patch 12) takes them, per tree (read nodes, T), the argmax
         self._extra_rows: torch.Tensor | None = None
-        self._extra_pred: np.ndarray | None = None
         self._spans: list = []
         self._preds: list[np.ndarray] | None = None
         groups = runner.kv_cache_config.kv_cache_groups
@@ -90,13 +82,9 @@ class LookaheadWorker:
             impl = getattr(layer, "impl", None)
             if impl is None or name not in group_of:
                 continue
-            if isinstance(impl, TreeAttentionImpl):
-                impl._owner = self
-                wrap.append((layer, impl))
-                continue
             kv = layer.kv_cache[0] if isinstance(layer.kv_cache, (list, tuple)) else layer.kv_cache
-            block_size = runner.input_batch.block_table[group_of[name]].block_size
-            why = unsupported_reason(impl, kv, block_size)
+            why = unsupported_reason(impl, kv,
+                                     runner.input_batch.block_table[group_of[name]].block_size)
             if why is None:
                 key = (kv.dtype, tuple(kv.shape[1:]), kv.stride()[1:], impl.head_size,
                        getattr(layer, "isa", None), type(impl).__name__)
@@ -119,11 +107,10 @@ class LookaheadWorker:
         logger.info("Lookahead: tree attention over the paged KV cache on %d layers "
                     "(backend %s, page layout %s, device %s)", len(wrap),
                     ", ".join(sorted({type(impl._inner).__name__ for _, impl in wrap})),
-                    ", ".join(self.layouts) or "as before", self.device)
+                    ", ".join(self.layouts), self.device)
 
     def _metadata(self, requests: list[TreeRequest], offset: int = 0):
-        """The trees' input ids and positions on the device, and their
-        metadata, rows from ``offset``."""
+        """The trees' input ids, positions and metadata, rows from ``offset``."""
         sizes = [len(r.tokens) for r in requests]
         ends = (np.cumsum(sizes) + offset).tolist()
         pos = np.concatenate([r.positions for r in requests]).astype(np.int64)
@@ -157,14 +144,13 @@ class LookaheadWorker:
     def fused_forward(self, forward, requests: list[TreeRequest], input_ids, positions,
                       **kwargs):
         """Fused mode: ``forward`` (the runner's model call) with the trees'
-        tokens appended; returns vLLM's rows of the hidden states. The trees'
-        argmax: :meth:`fused_preds`, after vLLM's logits call."""
+        tokens appended; returns vLLM's rows of the hidden states."""
         n = int(input_ids.shape[0])
         ids, pos, meta = self._metadata(requests, offset=n)
         ids = torch.cat([input_ids, ids.to(input_ids.device, input_ids.dtype)])
         pos = torch.cat([positions, pos.to(positions.device, positions.dtype)])
         self.fused_meta = meta
-        self._extra_rows = self._extra_pred = self._preds = None
+        self._extra_rows = self._preds = None
         try:
             with graphs_off():
                 hidden = forward(input_ids=ids, positions=pos, **kwargs)
@@ -175,52 +161,47 @@ class LookaheadWorker:
         return hidden[:n]
 
     def take_extra_rows(self) -> torch.Tensor | None:
-        """Patch 12: the read tree rows vLLM's logits call computes too."""
+        """Patch 12: the read tree rows, for vLLM's logits call."""
         rows, self._extra_rows = self._extra_rows, None
         return rows
 
     def put_extra_logits(self, logits: torch.Tensor | None) -> None:
-        self._extra_pred = _argmax(logits) if logits is not None else None
+        if logits is not None:
+            self._preds = _spread(_argmax(logits), self._spans)
 
     def fused_preds(self) -> list[np.ndarray]:
         """Per tree of the last fused step, int64 ``[T]``: the argmax at the
-        nodes it reads, else -1 (computed here where vLLM's logits call did
-        not, or this rank got no logits)."""
+        nodes it reads, else -1 (computed here where vLLM's logits call did not)."""
         if self._preds is None:
-            pred, self._extra_pred = self._extra_pred, None
             rows = self.take_extra_rows()
-            if pred is None and rows is not None:
-                with torch.inference_mode():
-                    pred = _argmax(self.runner.model.compute_logits(rows))
-            if pred is None:
+            if rows is None:
                 raise RuntimeError("lookahead: the tree rows' logits were lost")
-            self._preds = _spread(pred, self._spans)
+            with torch.inference_mode():
+                self._preds = _spread(_argmax(self.runner.model.compute_logits(rows)),
+                                      self._spans)
         return self._preds
 
 
 @contextlib.contextmanager
 def graphs_off():
-    """The enclosed model call without CUDA graph replay (a step with tree
-    rows has a shape and an attention path no captured graph holds): vLLM's
-    graph wrappers call the model directly under runtime mode NONE."""
+    """The enclosed model call without CUDA graph replay (no captured graph
+    holds tree rows): vLLM's graph wrappers run eagerly under runtime mode NONE."""
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
     ctx = get_forward_context() if is_forward_context_available() else None
     old = getattr(ctx, "cudagraph_runtime_mode", None)
-    if old is None or old == CUDAGraphMode.NONE:
-        yield
-        return
-    ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE
+    if old is not None:
+        ctx.cudagraph_runtime_mode = CUDAGraphMode.NONE
     try:
         yield
     finally:
-        ctx.cudagraph_runtime_mode = old
+        if old is not None:
+            ctx.cudagraph_runtime_mode = old
 
 
 def _read_rows(requests: list[TreeRequest], starts: list[int]):
-    """The forward's rows whose logits are read (int64 tensor) and per
-    request ``(read nodes, T)``."""
+    """The forward's rows whose logits are read (int64) and per request ``(read nodes, T)``."""
     spans = [(np.arange(len(r.tokens)) if r.read is None else np.asarray(r.read, np.int64),
               len(r.tokens)) for r in requests]
     rows = np.concatenate([s + nodes for s, (nodes, _) in zip(starts, spans)]).astype(np.int64)
@@ -231,14 +212,12 @@ def _spread(pred: np.ndarray, spans) -> list[np.ndarray]:
     """Per request int64 ``[T]``: the read nodes' argmax, -1 elsewhere."""
     out, k = [], 0
     for nodes, t in spans:
-        full = np.full(t, -1, dtype=np.int64)
-        full[nodes] = pred[k:k + len(nodes)]
+        out.append(np.full(t, -1, dtype=np.int64))
+        out[-1][nodes] = pred[k:k + len(nodes)]
         k += len(nodes)
-        out.append(full)
     return out
 
 
 def _argmax(logits: torch.Tensor) -> np.ndarray:
-    """int64 ``[T]`` argmax of ``[T, vocab]`` logits (``max``: the faster CPU
-    kernel; ties: the first index, as ``argmax``)."""
+    """int64 ``[T]`` argmax of ``[T, vocab]`` logits (``max``: faster on the CPU, same ties)."""
     return logits.max(dim=-1).indices.cpu().numpy()

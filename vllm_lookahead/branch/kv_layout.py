@@ -1,15 +1,9 @@
-"""Where a token's K and V live in a layer's paged KV cache, and a gather of
-a request's blocks.
-
-vLLM 0.32 hands every layer a logical ``[num_blocks, kv_heads, block_size, C]``
-view whose physical strides follow the ``KVCacheLayout`` (not contiguous on a
-GPU), and backends pack a ``(block, head)`` cell differently: ``C = [K | V]``
-per token (FlashAttention, FlashInfer, Triton), K transposed then V (the CPU's
-vec kernels), or tiles (its AMX kernels). :func:`probe_page_layout` learns the
-packing with the backend's own cache writer on a scratch page; affine or tiled
-offsets are then read with strided views, anything else by index. Pure torch,
-every tensor on the cache's device.
-"""
+"""Where a token's K and V live in a layer's paged KV cache (a logical
+``[num_blocks, kv_heads, block_size, C]`` view, any strides), and gathers of
+a request's blocks. Backends pack a ``(block, head)`` cell differently (``[K |
+V]`` per token, K transposed then V, tiles): :func:`probe_page_layout` learns
+it with the backend's own writer; affine or tiled offsets are read with
+strided views, anything else by index. Every tensor on the cache's device."""
 
 from __future__ import annotations
 
@@ -18,8 +12,6 @@ from typing import Callable
 
 import torch
 
-#: The backend's writer: ``(key, value [tokens, H, D], cache, flat slots)``.
-WriteFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 #: ``(start, sizes, strides)`` over the tile digits ``(t1, t0, d1, d0)``.
 View = tuple[int, tuple[int, ...], tuple[int, ...]]
 
@@ -30,11 +22,10 @@ class UnsupportedLayout(RuntimeError):
 
 @dataclass(frozen=True)
 class PageLayout:
-    """How K and V sit in one ``(block, head)`` cell, ``[block_size, C]``
-    read flat: ``K[t, d]`` at ``k_off[t * D + d]`` (int64 ``[N * D]``), V
-    likewise. ``k_view``/``v_view``: the offsets as a :data:`View` over
-    ``t = t1 * a + t0``, ``d = d1 * b + d0`` (``sizes = (N/a, a, D/b, b)``,
-    the least tiling), None where no tiling makes them affine."""
+    """How K and V sit in one ``(block, head)`` cell ``[N, C]`` read flat:
+    ``K[t, d]`` at ``k_off[t * D + d]`` (int64 ``[N * D]``), V likewise;
+    ``k_view``/``v_view``: those as a :data:`View` over ``t = t1 * a + t0``,
+    ``d = d1 * b + d0`` (the least tiling), None where none is affine."""
 
     block_size: int
     num_kv_heads: int
@@ -53,10 +44,10 @@ class PageLayout:
     def name(self) -> str:
         """``split`` (``[K | V]`` per token), ``strided`` (other affine
         offsets), ``tiled`` (affine in tile digits) or ``indexed``."""
-        if self.k_affine == (0, self.content, 1) and self.v_affine == (self.head_size,
-                                                                       self.content, 1):
+        k, v = self.k_affine, self.v_affine
+        if (k, v) == ((0, self.content, 1), (self.head_size, self.content, 1)):
             return "split"
-        if self.k_affine is not None and self.v_affine is not None:
+        if k is not None and v is not None:
             return "strided"
         return "tiled" if self.k_view is not None and self.v_view is not None else "indexed"
 
@@ -92,24 +83,19 @@ def _tiled(off: torch.Tensor, bs: int, hd: int) -> View | None:
 
 def scratch_like(cache: torch.Tensor, num_blocks: int = 1) -> torch.Tensor:
     """Zeroed ``[num_blocks, H, N, C]`` with ``cache``'s dtype, device and
-    physical dimension order (a writer relying on strides meets the same)."""
+    physical dimension order."""
     shape = (num_blocks, *cache.shape[1:])
     order = sorted(range(cache.dim()), key=lambda i: (-cache.stride(i), i))
     phys = torch.zeros([shape[i] for i in order], dtype=cache.dtype, device=cache.device)
     return phys.permute(*[order.index(i) for i in range(cache.dim())])
 
 
-def probe_page_layout(cache: torch.Tensor, head_size: int, write_fn: WriteFn) -> PageLayout:
-    """Learn where ``write_fn`` puts K and V in ``cache``'s cells (``cache``
-    is only read for shape, dtype, device and strides).
-
-    Writes small integers (exact in bfloat16): the token and the dim in two
-    base-64 digits each, the head, and K as +1 / V as -1. Raises
-    :class:`UnsupportedLayout` unless every head holds K and V as the same
-    permutation.
-    """
-    if cache.dim() != 4:
-        raise UnsupportedLayout(f"KV cache view of shape {tuple(cache.shape)} is not 4-D")
+def probe_page_layout(cache: torch.Tensor, head_size: int,
+                      write_fn: Callable[..., None]) -> PageLayout:
+    """Where ``write_fn(key, value [tokens, H, D], cache, flat slots)`` puts K
+    and V in the cells of ``cache`` (4-D, not written): small integers (exact
+    in bfloat16) coding token, dim and head, K as +1 and V as -1. Raises
+    :class:`UnsupportedLayout` unless every head holds K and V alike."""
     _, kvh, bs, c = cache.shape
     hd = head_size
     if c < 2 * hd:
@@ -128,7 +114,7 @@ def probe_page_layout(cache: torch.Tensor, head_size: int, write_fn: WriteFn) ->
         write_fn(vals, (-vals).contiguous(), page, slots)
         return page[0].reshape(kvh, bs * c).float().cpu()
 
-    def code(idx: torch.Tensor) -> torch.Tensor:
+    def code(idx: torch.Tensor) -> torch.Tensor:  # idx where it was written, else -1
         return write(idx + 1).abs() - 1
 
     tc = code(t_idx % 64) + 64 * code(t_idx // 64)
@@ -160,10 +146,8 @@ def probe_page_layout(cache: torch.Tensor, head_size: int, write_fn: WriteFn) ->
 
 def gather_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor, layout: PageLayout,
                  out_k: torch.Tensor, out_v: torch.Tensor) -> None:
-    """Copy K and V of whole blocks into ``out_k``, ``out_v`` ``[R, H, nb * N,
-    D]`` (a request's token ``j``: its block ``j // N``, offset ``j % N``).
-    ``block_ids`` int64 ``[R, nb]`` on the cache's device (pad with any
-    valid block)."""
+    """Copy K and V of the blocks ``block_ids`` (int64 ``[R, nb]``) into
+    ``out_k``, ``out_v`` ``[R, H, nb * N, D]``."""
     r_n, nb = block_ids.shape
     bs, hd, kvh = layout.block_size, layout.head_size, layout.num_kv_heads
     pages = _block_pages(kv_cache, block_ids.view(-1))
@@ -179,11 +163,9 @@ def gather_pages(kv_cache: torch.Tensor, block_ids: torch.Tensor, layout: PageLa
 
 def gather_token_major(kv_cache: torch.Tensor, block_ids: torch.Tensor,
                        layout: PageLayout) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """K and V ``[R, H, nb * N, D]`` as views of one copy of the blocks, where
-    that copy holds a request's tokens at one stride (CUDA's default LBNHC
-    with ``[K | V]``); else None. Saves the second copy into a dense K and V;
-    the caller may write past a request's tokens (the copy, never the cache).
-    """
+    """K and V ``[R, H, nb * N, D]`` as views of one copy of the blocks where
+    it holds a request's tokens at one stride (LBNHC with ``[K | V]``), else
+    None; the caller may write into the copy past a request's tokens."""
     r_n, nb = block_ids.shape
     pages = _block_pages(kv_cache, block_ids.view(-1))
     out = []
@@ -199,11 +181,26 @@ def gather_token_major(kv_cache: torch.Tensor, block_ids: torch.Tensor,
 def _strided(pages: torch.Tensor, view: View | None, layout: PageLayout, r_n: int,
              nb: int) -> torch.Tensor | None:
     """K or V of ``pages`` (``[R * nb, H, N, C]``, any strides) as a strided
-    ``[R, H, nb, *sizes]`` view over ``view``'s tile digits, or None."""
-    cell = None if view is None else _cell_view(pages, view, layout.content)
-    if cell is None:
+    ``[R, H, nb, *sizes]`` view over ``view``'s tile digits, or None where a
+    stride is neither whole tokens nor within a token."""
+    if view is None:
         return None
-    start, sizes, strides = cell
+    start, sizes, strides = view
+    if not pages.is_contiguous():  # the cell's offsets t * C + c in pages' own strides
+        s_t, s_c = pages.stride(2), pages.stride(3)
+        t0, c0 = divmod(start, layout.content)
+        out, reach = [], c0  # reach: the last column within a token the view reads
+        for size, stride in zip(sizes, strides):
+            if size == 1 or stride == 0:
+                out.append(0)
+            elif stride % layout.content == 0:
+                out.append(stride // layout.content * s_t)
+            else:
+                out.append(stride * s_c)
+                reach += stride * (size - 1)
+        if reach >= layout.content:
+            return None
+        start, strides = t0 * s_t + c0 * s_c, tuple(out)
     p0 = pages.stride(0)
     return pages.as_strided((r_n, layout.num_kv_heads, nb, *sizes),
                             (nb * p0, pages.stride(1), p0, *strides),
@@ -212,37 +209,9 @@ def _strided(pages: torch.Tensor, view: View | None, layout: PageLayout, r_n: in
 
 def _block_pages(kv_cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Blocks ``ids`` of the logical cache, ``[len(ids), H, N, C]``: copied
-    whole in the physical order within a block (one row copy per block; a
-    logical ``index_select`` on LBNHC goes element by element, ~3x slower),
-    returned as a logical view of the copy."""
-    inner = sorted(range(1, 4), key=lambda i: (-kv_cache.stride(i), i))
-    phys = kv_cache.permute(0, *inner)
+    whole in their physical order (one row copy per block), viewed logically."""
+    order = [0, *sorted(range(1, 4), key=lambda i: (-kv_cache.stride(i), i))]
+    phys = kv_cache.permute(*order)
     if not phys[0].is_contiguous():
         return kv_cache.index_select(0, ids)
-    back = [0] * 4
-    for pos, dim in enumerate([0, *inner]):
-        back[dim] = pos
-    return phys.index_select(0, ids).permute(*back)
-
-
-def _cell_view(pages: torch.Tensor, view: View, content: int) -> View | None:
-    """``view`` (in a cell's logical offsets ``t * C + c``) in ``pages``' own
-    element strides, or None where a stride is neither whole tokens nor within
-    a token."""
-    if pages.is_contiguous():
-        return view
-    start, sizes, strides = view
-    s_t, s_c = pages.stride(2), pages.stride(3)
-    t0, c0 = divmod(start, content)
-    out, reach = [], c0  # reach: the last column within a token the view reads
-    for size, stride in zip(sizes, strides):
-        if size == 1 or stride == 0:
-            out.append(0)
-        elif stride % content == 0:
-            out.append(stride // content * s_t)
-        else:
-            out.append(stride * s_c)
-            reach += stride * (size - 1)
-    if reach >= content:
-        return None
-    return t0 * s_t + c0 * s_c, sizes, tuple(out)
+    return phys.index_select(0, ids).permute(*[order.index(i) for i in range(4)])
