@@ -1,9 +1,6 @@
-"""vLLM plugin entry point (group ``vllm.general_plugins``).
-
-vLLM calls :func:`register` in every process it starts, before it builds its
-configuration. On a supported vLLM it applies :mod:`vllm_lookahead.patches`;
-on any other it only makes ``method="lookahead"`` fail with a clear message.
-"""
+"""vLLM plugin entry point (``vllm.general_plugins``), called in every vLLM process: on a
+supported vLLM it applies :mod:`vllm_lookahead.patches`, on any other it makes
+``method="lookahead"`` fail with a clear message."""
 
 from __future__ import annotations
 

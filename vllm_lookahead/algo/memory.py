@@ -1,11 +1,9 @@
 """A token memory shared by an engine's requests (n samples, repeated questions, templates).
 
-Documents (a request's prompt tail and accepted text; the oldest evicted first)
-are indexed per key length in :data:`KEY_LENS` by a direct-mapped table
-``hash(scope, key) -> (doc, pos)``, each place chained to the slot's previous
-holder; two set-associative tables keep the windows' n-grams and what followed
-each token. A lookup returns text of its own scope (a digest of ``cache_salt``)
-only, never the asker's. Python ``array``s: per-scalar access beats numpy.
+Documents (a request's prompt tail and accepted text, oldest evicted first) are indexed
+per key length by a direct-mapped table ``hash(scope, key) -> (doc, pos)``, each place
+chained to the slot's previous holder; two set-associative tables keep the windows'
+n-grams and each token's followers. A lookup sees its own scope only, never the asker's.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from vllm_lookahead.algo.state import MAX_PLACES, MIN_PROB, agreement, vote_draft
+from vllm_lookahead.algo.state import MAX_PLACES, agreement, vote_draft
 
 #: Key lengths, longest first: long keys name the context, short ones phrases.
 KEY_LENS = (12, 6, 3, 2)
@@ -51,15 +49,14 @@ class _Doc:
 
 
 class SharedMemory:
-    """Text of an engine's requests: ``capacity`` tokens at most (>= 256); a
-    place is indexed once ``delay`` tokens (the longest draft asked, N) follow it."""
+    """At most ``capacity`` (>= 256) tokens of text; a place is indexed once
+    ``delay`` tokens (N) follow it."""
 
-    def __init__(self, capacity: int, delay: int = 4, min_prob: float = MIN_PROB) -> None:
+    def __init__(self, capacity: int, delay: int = 4) -> None:
         if capacity < 256:
             raise ValueError(f"memory capacity must be >= 256 tokens, got {capacity}")
         self.capacity = int(capacity)
         self.delay = max(int(delay), 1)
-        self.min_prob = float(min_prob)
         self.max_docs = max(self.capacity // MIN_DOC_TOKENS, 1)
         self._mask = (1 << max((self.capacity - 1).bit_length(), 8)) - 1
         self._hmask = (1 << max((self.capacity // TOKENS_PER_SET - 1).bit_length(), 4)) - 1
@@ -119,7 +116,7 @@ class SharedMemory:
             self.harvested += 1
 
     def _push(self, tags, grams, scope: int, key: int, cont) -> None:
-        """``key -> cont`` to the front of its set (from where it was, or the oldest leaves)."""
+        """``key -> cont`` to the front of its set (moved, or the oldest leaves)."""
         tag, base = self._set(scope, key)
         g, cont, at = self._gram, list(cont), WAYS - 1
         held = tags[base : base + WAYS]
@@ -184,9 +181,8 @@ class SharedMemory:
 
     def lookup(self, scope: int, own: int | None, text: np.ndarray, n: int, k: int,
                longer_than: int = 0) -> tuple[list[int], int, str]:
-        """What followed the longest key (longer than ``longer_than``) ending
-        ``text[:n]`` in ``scope``'s documents but ``own``: the ``k``-token draft
-        its newest places vote for, the key's length and their agreement."""
+        """``(draft, key length, agreement)``: the ``k`` tokens the newest places of the
+        longest key (> ``longer_than``) ending ``text[:n]`` vote for, ``own`` left out."""
         if k <= 0:
             return [], 0, ""
         for t, m in enumerate(KEY_LENS):
@@ -197,15 +193,15 @@ class SharedMemory:
             key = text[n - m : n].tolist()
             slot = hash((scope, *key)) & self._mask
             conts = self._places(t, self._doc[t][slot], self._pos[t][slot], scope, own, key, k)
-            cont = vote_draft(conts, k, self.min_prob)
+            cont = vote_draft(conts, k)
             if cont:
                 return cont, m, agreement(conts, cont)
         return [], 0, ""
 
     def _places(self, t: int, doc_id: int, j: int, scope: int, own: int | None,
                 key: list[int], k: int) -> list[list[int]]:
-        """Up to ``k`` tokens after each of the newest places of ``key`` along the
-        slot's chain; collisions, other scopes and ``own`` skipped."""
+        """Up to ``k`` tokens after each newest place of ``key`` along the slot's
+        chain (collisions, other scopes and ``own`` skipped)."""
         m, out, hops = len(key), [], 0
         while doc_id >= 0 and len(out) < MAX_PLACES and hops < 4 * MAX_PLACES:
             hops += 1

@@ -36,11 +36,9 @@ def lookahead_method(orig, self, *args, **kwargs):
     pp = getattr(self, "pipeline_parallel_size", 1) or 1
     if pp > 1:
         raise LookaheadConfigError(
-            f"speculative_config['method'] = 'lookahead' does not support "
-            f"pipeline_parallel_size={pp}: vLLM 0.32 runs speculative decoding "
-            "on a single pipeline stage only (with pipeline parallelism any "
-            "speculative method fails on CPU with \"'CPUModelRunner' object has "
-            "no attribute 'drafter'\"). Use tensor_parallel_size instead.")
+            f"speculative_config['method'] = 'lookahead' does not support pipeline_parallel_size"
+            f"={pp}: vLLM 0.32 runs speculative decoding on a single pipeline stage only. "
+            "Use tensor_parallel_size instead.")
     self.additional_config = {**(self.additional_config or {}),
                               ADDITIONAL_CONFIG_KEY: split.lookahead.to_dict()}
     flags = {attr: getattr(self, attr, None) for _, _, attr in SPEC_FLAGS}
