@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from vllm_lookahead.algo.state import MAX_PLACES, agreement, vote_draft
+from vllm_lookahead.algo.state import MAX_PLACES, MIN_PROB, agreement, vote_draft
 
 #: Key lengths, longest first: long keys name the context, short ones phrases.
 KEY_LENS = (12, 6, 3, 2)
@@ -36,14 +36,13 @@ def scope_of(cache_salt: str | None) -> int:
 
 
 class _Doc:
-    __slots__ = ("scope", "tokens", "prev", "n", "indexed", "full")
+    __slots__ = ("scope", "tokens", "prev", "indexed", "full")
 
     def __init__(self, scope: int) -> None:
         self.scope = scope
         self.tokens = array("i")
         # per key length and place: the slot's previous holder (doc << 32 | pos, -1: none)
         self.prev = tuple(array("q", [-1]) for _ in KEY_LENS)
-        self.n = 0
         self.indexed = 0  # places j < indexed have their keys in the tables
         self.full = False
 
@@ -52,11 +51,12 @@ class SharedMemory:
     """At most ``capacity`` (>= 256) tokens of text; a place is indexed once
     ``delay`` tokens (N) follow it."""
 
-    def __init__(self, capacity: int, delay: int = 4) -> None:
+    def __init__(self, capacity: int, delay: int = 4, min_prob: float = MIN_PROB) -> None:
         if capacity < 256:
             raise ValueError(f"memory capacity must be >= 256 tokens, got {capacity}")
         self.capacity = int(capacity)
         self.delay = max(int(delay), 1)
+        self.min_prob = float(min_prob)
         self.max_docs = max(self.capacity // MIN_DOC_TOKENS, 1)
         self._mask = (1 << max((self.capacity - 1).bit_length(), 8)) - 1
         self._hmask = (1 << max((self.capacity // TOKENS_PER_SET - 1).bit_length(), 4)) - 1
@@ -93,13 +93,12 @@ class SharedMemory:
         k = len(tokens)
         if doc is None or doc.full or k == 0:
             return
-        if doc.n + k > self.capacity:
+        if len(doc.tokens) + k > self.capacity:
             doc.full = True
             return
         doc.tokens.extend(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)
-        doc.n += k
         self.tokens += k
-        self._index(doc_id, doc, doc.n - self.delay)
+        self._index(doc_id, doc, len(doc.tokens) - self.delay)
         if self.tokens > self.capacity:
             self._evict()
 
@@ -107,7 +106,7 @@ class SharedMemory:
         """The request finished: index its last places too."""
         doc = self._docs.get(doc_id)
         if doc is not None:
-            self._index(doc_id, doc, doc.n - 1)
+            self._index(doc_id, doc, len(doc.tokens) - 1)
 
     def add_ngram(self, scope: int, key: int, cont) -> None:
         """An n-gram a Jacobi window produced (``delay - 1`` tokens after ``key``)."""
@@ -143,7 +142,7 @@ class SharedMemory:
             return
         mask, scope, follow = self._mask, doc.scope, self._gram
         base = max(start - KEY_LENS[0], 0)
-        seq = doc.tokens[base : min(upto + follow, doc.n)].tolist()
+        seq = doc.tokens[base : upto + follow].tolist()
         tables = tuple(zip(KEY_LENS, self._doc, self._pos, doc.prev))
         push, ftag, fgram = self._push, self._ftag, self._fgram
         for j in range(start, upto + 1):
@@ -162,7 +161,7 @@ class SharedMemory:
 
     def _evict(self) -> None:  # the oldest documents, while past a bound
         while self._docs and (self.tokens > self.capacity or len(self._docs) > self.max_docs):
-            self.tokens -= self._docs.popitem(last=False)[1].n
+            self.tokens -= len(self._docs.popitem(last=False)[1].tokens)
             self.evicted += 1
 
     def ngrams(self, scope: int, key: int) -> list[tuple[int, ...]]:
@@ -193,7 +192,7 @@ class SharedMemory:
             key = text[n - m : n].tolist()
             slot = hash((scope, *key)) & self._mask
             conts = self._places(t, self._doc[t][slot], self._pos[t][slot], scope, own, key, k)
-            cont = vote_draft(conts, k)
+            cont = vote_draft(conts, k, self.min_prob)
             if cont:
                 return cont, m, agreement(conts, cont)
         return [], 0, ""
@@ -210,9 +209,9 @@ class SharedMemory:
                 break
             chain = doc.prev[t]
             nxt = chain[j] if j < len(chain) else -1
-            if (doc_id != own and doc.scope == scope and m <= j <= doc.n
+            if (doc_id != own and doc.scope == scope and m <= j <= len(doc.tokens)
                     and doc.tokens[j - m : j].tolist() == key):
-                cont = doc.tokens[j : min(j + k, doc.n)].tolist()
+                cont = doc.tokens[j : j + k].tolist()
                 if cont:
                     out.append(cont)
             doc_id, j = (nxt >> 32, nxt & 0xFFFFFFFF) if nxt >= 0 else (-1, 0)
