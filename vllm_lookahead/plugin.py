@@ -26,11 +26,9 @@ def is_supported(version: str) -> bool:
 
 
 def unsupported_message(version: str) -> str:
-    return (
-        f"vllm-lookahead supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}, "
-        f"but vLLM {version} is installed; install a supported build "
-        "(`pip install 'vllm-lookahead[cpu]'` or `'vllm-lookahead[cuda]'`)."
-    )
+    return (f"vllm-lookahead supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}, but vLLM "
+            f"{version} is installed; install a supported build "
+            "(`pip install 'vllm-lookahead[cpu]'` or `'vllm-lookahead[cuda]'`).")
 
 
 def register() -> None:

@@ -44,20 +44,13 @@ def request_applies(params) -> bool:
 
 def _inactive(processor) -> bool:
     """A built-in vLLM logits processor no request uses (others count as active)."""
-    from vllm.v1.sample.logits_processor.builtin import (
-        LogitBiasLogitsProcessor,
-        MinPLogitsProcessor,
-        MinTokensLogitsProcessor,
-    )
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                         MinPLogitsProcessor,
+                                                         MinTokensLogitsProcessor)
 
-    kind = type(processor)
-    if kind is MinPLogitsProcessor:
-        return not processor.min_p_count
-    if kind is LogitBiasLogitsProcessor:
-        return not processor.biases
-    if kind is MinTokensLogitsProcessor:
-        return not processor.min_toks
-    return False
+    used = {MinPLogitsProcessor: "min_p_count", LogitBiasLogitsProcessor: "biases",
+            MinTokensLogitsProcessor: "min_toks"}.get(type(processor))
+    return used is not None and not getattr(processor, used)
 
 
 def rows_metadata(sm, rows: list[int], batch: int):

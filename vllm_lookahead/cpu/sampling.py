@@ -5,6 +5,7 @@ noise only where it matters, and draft rows computed only up to the first reject
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -152,10 +153,7 @@ def verify_sampled_rows(output: torch.Tensor, draft_token_ids: torch.Tensor,
     vocab = target_logits.shape[-1]
     device = target_logits.device
     greedy = [False] * batch if is_greedy is None else is_greedy.tolist()
-    starts, start = [], 0
-    for n in num_draft_tokens:
-        starts.append(start)
-        start += n
+    starts = list(itertools.accumulate(num_draft_tokens, initial=0))
     bonus = bonus_token_ids.view(-1)
     inv_q = {}
     alive = []

@@ -21,12 +21,8 @@ class LookaheadRequestError(VLLMValidationError, ValueError):
        "`LookaheadConfig` and carried in `additional_config`; pipeline parallelism refused.")
 def lookahead_method(orig, self, *args, **kwargs):
     from vllm_lookahead.config import ADDITIONAL_CONFIG_KEY, LookaheadConfigError
-    from vllm_lookahead.spellings import (
-        SPEC_FLAGS,
-        is_lookahead,
-        merge_spec_flags,
-        split_speculative_config,
-    )
+    from vllm_lookahead.spellings import (SPEC_FLAGS, is_lookahead, merge_spec_flags,
+                                          split_speculative_config)
 
     spec = self.speculative_config
     merged, names = merge_spec_flags(spec, self)
@@ -78,12 +74,8 @@ def cli_spellings(orig, parser, *args, **kwargs):
 def validate_request_settings(orig, self, params, *args, **kwargs):
     from vllm.sampling_params import SamplingParams
 
-    from vllm_lookahead.config import (
-        ADDITIONAL_CONFIG_KEY,
-        LookaheadConfig,
-        LookaheadConfigError,
-        request_settings,
-    )
+    from vllm_lookahead.config import (ADDITIONAL_CONFIG_KEY, LookaheadConfig,
+                                       LookaheadConfigError, request_settings)
 
     result = orig(self, params, *args, **kwargs)
     extra = params.extra_args if isinstance(params, SamplingParams) else None
