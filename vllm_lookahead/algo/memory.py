@@ -1,11 +1,9 @@
 """A token memory shared by an engine's requests (n samples, repeated questions, templates).
 
-Documents (a request's prompt tail and accepted text; the oldest evicted first)
-are indexed per key length in :data:`KEY_LENS` by a direct-mapped table
-``hash(scope, key) -> (doc, pos)``, each place chained to the slot's previous
-holder; two set-associative tables keep the windows' n-grams and what followed
-each token. A lookup returns text of its own scope (a digest of ``cache_salt``)
-only, never the asker's. Python ``array``s: per-scalar access beats numpy.
+Documents (a request's prompt tail and accepted text, oldest evicted first) are indexed
+per key length by a direct-mapped table ``hash(scope, key) -> (doc, pos)``, each place
+chained to the slot's previous holder; two set-associative tables keep the windows'
+n-grams and each token's followers. A lookup sees its own scope only, never the asker's.
 """
 
 from __future__ import annotations
@@ -38,21 +36,20 @@ def scope_of(cache_salt: str | None) -> int:
 
 
 class _Doc:
-    __slots__ = ("scope", "tokens", "prev", "n", "indexed", "full")
+    __slots__ = ("scope", "tokens", "prev", "indexed", "full")
 
     def __init__(self, scope: int) -> None:
         self.scope = scope
         self.tokens = array("i")
         # per key length and place: the slot's previous holder (doc << 32 | pos, -1: none)
         self.prev = tuple(array("q", [-1]) for _ in KEY_LENS)
-        self.n = 0
         self.indexed = 0  # places j < indexed have their keys in the tables
         self.full = False
 
 
 class SharedMemory:
-    """Text of an engine's requests: ``capacity`` tokens at most (>= 256); a
-    place is indexed once ``delay`` tokens (the longest draft asked, N) follow it."""
+    """At most ``capacity`` (>= 256) tokens of text; a place is indexed once
+    ``delay`` tokens (N) follow it."""
 
     def __init__(self, capacity: int, delay: int = 4, min_prob: float = MIN_PROB) -> None:
         if capacity < 256:
@@ -96,13 +93,12 @@ class SharedMemory:
         k = len(tokens)
         if doc is None or doc.full or k == 0:
             return
-        if doc.n + k > self.capacity:
+        if len(doc.tokens) + k > self.capacity:
             doc.full = True
             return
         doc.tokens.extend(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)
-        doc.n += k
         self.tokens += k
-        self._index(doc_id, doc, doc.n - self.delay)
+        self._index(doc_id, doc, len(doc.tokens) - self.delay)
         if self.tokens > self.capacity:
             self._evict()
 
@@ -110,7 +106,7 @@ class SharedMemory:
         """The request finished: index its last places too."""
         doc = self._docs.get(doc_id)
         if doc is not None:
-            self._index(doc_id, doc, doc.n - 1)
+            self._index(doc_id, doc, len(doc.tokens) - 1)
 
     def add_ngram(self, scope: int, key: int, cont) -> None:
         """An n-gram a Jacobi window produced (``delay - 1`` tokens after ``key``)."""
@@ -119,7 +115,7 @@ class SharedMemory:
             self.harvested += 1
 
     def _push(self, tags, grams, scope: int, key: int, cont) -> None:
-        """``key -> cont`` to the front of its set (from where it was, or the oldest leaves)."""
+        """``key -> cont`` to the front of its set (moved, or the oldest leaves)."""
         tag, base = self._set(scope, key)
         g, cont, at = self._gram, list(cont), WAYS - 1
         held = tags[base : base + WAYS]
@@ -146,7 +142,7 @@ class SharedMemory:
             return
         mask, scope, follow = self._mask, doc.scope, self._gram
         base = max(start - KEY_LENS[0], 0)
-        seq = doc.tokens[base : min(upto + follow, doc.n)].tolist()
+        seq = doc.tokens[base : upto + follow].tolist()
         tables = tuple(zip(KEY_LENS, self._doc, self._pos, doc.prev))
         push, ftag, fgram = self._push, self._ftag, self._fgram
         for j in range(start, upto + 1):
@@ -165,7 +161,7 @@ class SharedMemory:
 
     def _evict(self) -> None:  # the oldest documents, while past a bound
         while self._docs and (self.tokens > self.capacity or len(self._docs) > self.max_docs):
-            self.tokens -= self._docs.popitem(last=False)[1].n
+            self.tokens -= len(self._docs.popitem(last=False)[1].tokens)
             self.evicted += 1
 
     def ngrams(self, scope: int, key: int) -> list[tuple[int, ...]]:
@@ -184,9 +180,8 @@ class SharedMemory:
 
     def lookup(self, scope: int, own: int | None, text: np.ndarray, n: int, k: int,
                longer_than: int = 0) -> tuple[list[int], int, str]:
-        """What followed the longest key (longer than ``longer_than``) ending
-        ``text[:n]`` in ``scope``'s documents but ``own``: the ``k``-token draft
-        its newest places vote for, the key's length and their agreement."""
+        """``(draft, key length, agreement)``: the ``k`` tokens the newest places of the
+        longest key (> ``longer_than``) ending ``text[:n]`` vote for, ``own`` left out."""
         if k <= 0:
             return [], 0, ""
         for t, m in enumerate(KEY_LENS):
@@ -204,8 +199,8 @@ class SharedMemory:
 
     def _places(self, t: int, doc_id: int, j: int, scope: int, own: int | None,
                 key: list[int], k: int) -> list[list[int]]:
-        """Up to ``k`` tokens after each of the newest places of ``key`` along the
-        slot's chain; collisions, other scopes and ``own`` skipped."""
+        """Up to ``k`` tokens after each newest place of ``key`` along the slot's
+        chain (collisions, other scopes and ``own`` skipped)."""
         m, out, hops = len(key), [], 0
         while doc_id >= 0 and len(out) < MAX_PLACES and hops < 4 * MAX_PLACES:
             hops += 1
@@ -214,9 +209,9 @@ class SharedMemory:
                 break
             chain = doc.prev[t]
             nxt = chain[j] if j < len(chain) else -1
-            if (doc_id != own and doc.scope == scope and m <= j <= doc.n
+            if (doc_id != own and doc.scope == scope and m <= j <= len(doc.tokens)
                     and doc.tokens[j - m : j].tolist() == key):
-                cont = doc.tokens[j : min(j + k, doc.n)].tolist()
+                cont = doc.tokens[j : j + k].tolist()
                 if cont:
                     out.append(cont)
             doc_id, j = (nxt >> 32, nxt & 0xFFFFFFFF) if nxt >= 0 else (-1, 0)

@@ -22,9 +22,8 @@ SAMPLES_KEY = "_lookahead_samples"
 
 
 class NGramPool:
-    """Key token -> at most ``cap`` continuations of N-1 tokens, in LRU order:
-    adding a present one makes it the newest and bumps its count (its source
-    stays the first); a new one pushes the oldest out of a full list."""
+    """Key token -> at most ``cap`` continuations (N-1 tokens) in LRU order, each
+    with its count and first source; a new one pushes the oldest out of a full list."""
 
     __slots__ = ("cap", "_d")
 
@@ -58,9 +57,8 @@ class NGramPool:
 
 
 class JacobiWindow:
-    """The Jacobi guesses of one request: ``levels`` int32 [N-1, W], row 0 level
-    0 (its first W-1 columns, after the root, form the trunk ``B0``), rows
-    1..N-2 levels 1..N-2; ``warm`` (from the model) after N-2 ``steps``."""
+    """A request's Jacobi guesses: ``levels`` int32 [N-1, W], row l level l (row 0's
+    first W-1 columns, after the root, form the trunk ``B0``); ``warm`` after N-2 steps."""
 
     __slots__ = ("n", "w", "levels", "steps")
 
@@ -124,13 +122,10 @@ class RequestState:
     num_prompt_tokens: int = 0
     max_tokens: int | None = None  # SamplingParams.max_tokens
     group: str | None = None  # parent id of one of n samples (sibling_group)
-    quiet_best: object = None  # planner.BestCase of its last full step
-    quiet_pays: dict = field(default_factory=dict)  # batch -> least weight that pays
     pooled_upto: int = 0  # tokens whose n-grams are in the pool
     settings: object = None  # config.RequestSettings
     plan: object = None  # fused: the tree planned for its next step
-    #: Last step's draft: sources per token, whether a tree checked it, its
-    #: kind (stats), the tokens the planner expected accepted (None: unplanned).
+    #: Last step's draft: sources per token, tree-checked, kind, planned gain.
     draft_sources: list[str] = field(default_factory=list)
     draft_checked: bool = False
     draft_kind: str = ""
@@ -144,8 +139,7 @@ class RequestState:
     seeded_batch: int = 1  # the batch a seeded draft is priced in
     sampled: bool = False  # temperature > 0
     lazy_bonus: bool = False  # its bonus rows may be sampled lazily
-    #: Its shared-memory document (None: none), whether it drafts from the
-    #: memory, its scope (``memory.scope_of``) and tokens the memory has.
+    #: Its shared-memory document, whether it reads it, its scope, tokens held.
     memory_doc: int | None = None
     memory_reads: bool = False
     memory_scope: int = 0
@@ -163,14 +157,13 @@ class RequestState:
 
 
 def choose_candidate(matches: list[int], counts: list[int]) -> int:
-    """The best candidate (newest first): longest confirmed prefix, most seen,
-    newest; -1 for none."""
+    """The best candidate: longest confirmed prefix, most seen, newest; -1: none."""
     return max(range(len(matches)), key=lambda i: (matches[i], counts[i], -i), default=-1)
 
 
 def suffix_lookup(tokens: np.ndarray, n: int, k: int, max_len: int = 4) -> list[int]:
     """The ``k`` tokens after the newest earlier place of ``tokens[:n]``'s longest
-    suffix seen before (``max_len`` down to 2 tokens), or ``[]``. Numpy, O(n)."""
+    suffix (2..``max_len`` tokens) seen before, or ``[]``."""
     if k <= 0 or n < 3:
         return []
     t = np.asarray(tokens[:n])
@@ -190,9 +183,8 @@ def suffix_lookup(tokens: np.ndarray, n: int, k: int, max_len: int = 4) -> list[
 
 
 def vote_draft(conts: list[list[int]], k: int, min_prob: float = MIN_PROB) -> list[int]:
-    """The draft a key's places (continuations, newest first) vote for token by
-    token, as a suffix tree's counts do (the newest among equals), until fewer
-    than ``min_prob`` of them agree with it all the way."""
+    """The draft a key's places (continuations, newest first) vote for token by token
+    (ties: the newest), until fewer than ``min_prob`` of them agree with all of it."""
     if len(conts) <= 1:
         return conts[0][:k] if conts else []
     out: list[int] = []
@@ -212,16 +204,16 @@ def vote_draft(conts: list[list[int]], k: int, min_prob: float = MIN_PROB) -> li
 
 
 def agreement(conts: list[list[int]], draft: list[int]) -> str:
-    """How the places a draft was voted from agree on its first token: ``""``
-    one place (or no draft), ``"+"`` all of two or more, ``"-"`` not all."""
+    """Whether the places agree on the draft's first token: ``""`` one place (or
+    no draft), ``"+"`` all of two or more, ``"-"`` not all."""
     if len(conts) < 2 or not draft:
         return ""
     return "+" if all(c and c[0] == draft[0] for c in conts) else "-"
 
 
 class TextIndex:
-    """A request's own text indexed as it grows (``ends[(a, b)]``: ascending e with
-    ``toks[e-1:e+1] == [a, b]``): a lookup reads a dict entry, not the text."""
+    """A request's own text, indexed as it grows: ``ends[(a, b)]`` the ascending e
+    with ``toks[e-1:e+1] == [a, b]``."""
 
     __slots__ = ("toks", "ends")
 
@@ -233,8 +225,7 @@ class TextIndex:
     def vote(self, tokens: np.ndarray, n: int, k: int,
              max_len: int = 4) -> tuple[list[int], int, str]:
         """``(draft, length, agreement)`` of ``tokens[:n]``'s longest suffix seen
-        before (2..``max_len`` tokens), voted by its newest places; ``tokens[:n]``
-        should extend the last call's text (else, by one token, it starts afresh)."""
+        before (2..``max_len`` tokens); a text that does not extend the last restarts."""
         toks, have = self.toks, len(self.toks)
         if n < have or (have and int(tokens[have - 1]) != toks[-1]):
             self.toks, self.ends = [], {}

@@ -1,9 +1,7 @@
 """A request's lookahead tree for one step: nodes, tokens, positions (numpy only).
 
-Rooted, in fused mode, at ``y``, the model's prediction after the checked draft
-(it rides in the next step's forward and holds iff vLLM samples ``draft + [y]``);
-in a fused catch-up (no checked chain) at the newest token, beside vLLM's own row
-of it; in separate mode at the newest token, in an extra forward.
+Fused, rooted at ``y``, the prediction after the checked draft (it holds iff vLLM samples
+``draft + [y]``); in a catch-up or separate mode, at the newest token.
 """
 
 from __future__ import annotations
@@ -51,9 +49,8 @@ class PlannedTree:
 
 def plan_trees(asks: list[TreeAsk], max_tree_tokens: int,
                max_model_len: int) -> tuple[list[PlannedTree | None], bool]:
-    """The step's trees fitted to ``max_tree_tokens`` together (``fit_budget``):
-    per ask its tree, or None where the budget leaves it nothing or it would
-    reach ``max_model_len``; and whether the windows were kept."""
+    """Per ask its tree, fitted to ``max_tree_tokens`` together (None: nothing left, or
+    past ``max_model_len``), and whether the windows were kept."""
     use_window, cap = fit_budget([(a.ngram_size, a.window, len(a.cands)) for a in asks],
                                  max_tree_tokens)
     return [_build(a, use_window, cap, max_model_len) for a in asks], use_window

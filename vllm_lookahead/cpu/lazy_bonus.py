@@ -1,13 +1,9 @@
-"""A drafting step's bonus tokens sampled only where used (CPU; patched in by
-:mod:`.patches`).
+"""A drafting step's bonus tokens sampled only where used (CPU; patched in by :mod:`.patches`).
 
-vLLM samples every request's bonus token before it verifies the drafts,
-though a request uses it only after accepting its whole draft (under top-p a
-vocabulary sort a row). :func:`forward` verifies first, with :data:`PENDING`
-for every bonus token, then samples the rows that came out pending with
-vLLM's own sampler. An unseeded bonus token is an independent draw whenever
-it is drawn, so the distribution is vLLM's; other batches keep vLLM's path
-(:func:`applies`).
+vLLM samples every bonus token before verifying, though a request uses it only after
+accepting its whole draft. :func:`forward` verifies first, with :data:`PENDING` bonus
+tokens, then samples the pending rows with vLLM's sampler: an unseeded draw, so the
+distribution is vLLM's. Other batches keep vLLM's path (:func:`applies`).
 """
 
 from __future__ import annotations
@@ -16,15 +12,13 @@ from dataclasses import replace
 
 import torch
 
-#: Every request's bonus token handed to the verifier: where it comes out,
-#: the request uses its bonus token (vLLM's placeholder is -1).
+#: The bonus token handed to the verifier: where it comes out, the request uses it.
 PENDING = -2
 
 
 def applies(sm) -> bool:
-    """Whether a step with ``SamplingMetadata`` ``sm`` may sample its bonus
-    tokens lazily: every request sampled and unseeded, and nothing vLLM's
-    sampler reads by batch row but temperature, top-k and top-p."""
+    """Whether a step's ``SamplingMetadata`` lets its bonus tokens be sampled lazily:
+    all sampled and unseeded, nothing read by row but temperature, top-k, top-p."""
     holder = getattr(sm, "thinking_budget_state_holder", None)
     return (sm.all_random and not sm.generators and sm.max_num_logprobs is None
             and not sm.logprob_token_ids and sm.no_penalties and not sm.bad_words_token_ids
@@ -34,9 +28,8 @@ def applies(sm) -> bool:
 
 
 def request_applies(params) -> bool:
-    """Whether a request (vLLM ``SamplingParams``) leaves :func:`applies`
-    true for its batches: the planner's prediction (``CostModel.bonus``);
-    :func:`applies` decides at run time."""
+    """Whether a request's ``SamplingParams`` leave :func:`applies` true (the
+    planner's prediction; :func:`applies` decides at run time)."""
     if params is None or float(getattr(params, "temperature", 0.0) or 0.0) < 1e-5:
         return False
     neutral = (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
@@ -51,25 +44,17 @@ def request_applies(params) -> bool:
 
 def _inactive(processor) -> bool:
     """A built-in vLLM logits processor no request uses (others count as active)."""
-    from vllm.v1.sample.logits_processor.builtin import (
-        LogitBiasLogitsProcessor,
-        MinPLogitsProcessor,
-        MinTokensLogitsProcessor,
-    )
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                         MinPLogitsProcessor,
+                                                         MinTokensLogitsProcessor)
 
-    kind = type(processor)
-    if kind is MinPLogitsProcessor:
-        return not processor.min_p_count
-    if kind is LogitBiasLogitsProcessor:
-        return not processor.biases
-    if kind is MinTokensLogitsProcessor:
-        return not processor.min_toks
-    return False
+    used = {MinPLogitsProcessor: "min_p_count", LogitBiasLogitsProcessor: "biases",
+            MinTokensLogitsProcessor: "min_toks"}.get(type(processor))
+    return used is not None and not getattr(processor, used)
 
 
 def rows_metadata(sm, rows: list[int], batch: int):
-    """``sm`` of a ``batch``-request step cut to ``rows`` (a batch where
-    :func:`applies` holds: token lists vLLM left empty stay empty)."""
+    """``sm`` of a ``batch``-request step (where :func:`applies`) cut to ``rows``."""
     from vllm.v1.sample.logits_processor import LogitsProcessors
 
     index = torch.tensor(rows, dtype=torch.long, device=sm.temperature.device)
@@ -94,16 +79,14 @@ def rows_metadata(sm, rows: list[int], batch: int):
 
 
 def forward(verifier, metadata, logits: torch.Tensor, sm):
-    """vLLM's ``RejectionSampler.forward`` (``verifier``) where :func:`applies`
-    and no draft probabilities come, the bonus rows sampled last and only
-    where used. Returns vLLM's ``SamplerOutput`` (no logprobs)."""
+    """vLLM's ``RejectionSampler.forward`` (``verifier``) where :func:`applies` and no
+    draft probabilities come, the bonus rows sampled last, only where used."""
     import vllm.v1.sample.rejection_sampler as rs
     from vllm.v1.outputs import SamplerOutput
 
     from vllm_lookahead.cpu.sampling import COUNTS
 
-    # vLLM's steps in its order (the module's functions as patched); the
-    # indexing copies, so ``logits`` keeps the bonus rows as they came
+    # vLLM's steps as patched; the indexing copies, so ``logits`` keeps the bonus rows
     target_logits = logits[metadata.target_logits_indices].to(torch.float32)
     target_logits = verifier.apply_logits_processors(target_logits, sm, metadata)
     target_logits = rs.apply_sampling_constraints(target_logits, metadata.cu_num_draft_tokens,

@@ -1,9 +1,6 @@
-"""Patches of vLLM on its CPU platform: two bug fixes lossless sampling needs
-(always on), and the faster sampler and verifier of :mod:`.sampling` and
-:mod:`.lazy_bonus` (``VLLM_LOOKAHEAD_CPU_SAMPLER=0`` keeps vLLM's).
-
-The speed-ups sample exactly what vLLM samples (an unseeded draw: in
-distribution) and apply to every speculative method.
+"""Patches of vLLM on its CPU platform: two bug fixes lossless sampling needs (always
+on), and the faster sampler and verifier of :mod:`.sampling` and :mod:`.lazy_bonus` for
+every speculative method (``VLLM_LOOKAHEAD_CPU_SAMPLER=0`` keeps vLLM's).
 """
 
 from __future__ import annotations
@@ -26,8 +23,8 @@ RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
           "positions read uninitialised temperature/top-k/top-p (any speculative method).", CPU)
 def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to,
                        MAX_NUM_TOKENS=None) -> None:
-    """Request r's value (``replace_from`` mapped to ``replace_to``) for each of
-    its tokens ``[cu[r-1], cu[r])``, written into ``output`` in place."""
+    """Request r's value (``replace_from`` -> ``replace_to``) into ``output`` for each
+    of its tokens ``[cu[r-1], cu[r])``."""
     cu = cu_num_tokens.long()
     counts = torch.diff(cu, prepend=cu.new_zeros(1))
     vals = torch.where(input_val == replace_from, replace_to, input_val)
@@ -36,7 +33,7 @@ def expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_t
 
 
 def _expand(x, cu_num_tokens, num_tokens: int, replace_from=0, replace_to=0):
-    """vLLM's ``expand_batch_to_tokens`` without its Triton dispatcher (40-60 us a call)."""
+    """vLLM's ``expand_batch_to_tokens`` without its Triton dispatcher."""
     out = x.new_empty(num_tokens)
     expand_kernel_impl(out, x, cu_num_tokens, replace_from, replace_to)
     return out

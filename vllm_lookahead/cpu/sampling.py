@@ -1,17 +1,11 @@
-"""vLLM's CPU rejection sampler, cheaper, sampling what it samples (patched in
-by :mod:`.patches`).
-
-* :func:`top_k_top_p_rows`: a draft row's top-p from its :data:`WINDOW`
-  largest logits instead of a sort of the vocabulary; any row whose kept set
-  could differ from vLLM's goes to vLLM's function.
-* :func:`recovered_inv_q`: the recovered tokens' noise only for requests with
-  a draft, unseeded ones only where their probability is above 0.
-* :func:`verify_sampled_rows`: a sampled request's draft rows computed only up
-  to its first rejection (the rows after it decide nothing).
+"""vLLM's CPU rejection sampler, cheaper, sampling what it samples (patched in by
+:mod:`.patches`): top-p from a row's :data:`WINDOW` largest logits, the recovered tokens'
+noise only where it matters, and draft rows computed only up to the first rejection.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -19,12 +13,10 @@ import torch
 
 #: Largest logits looked at per row (the nucleus must end within them).
 WINDOW = 256
-#: Distance from p below which the cut is left to vLLM's float32 sums (they
-#: and ours differed by at most 3.1e-6 over 48,000 language-model-like rows).
+#: Distance from p below which the cut is left to vLLM's float32 sums.
 MARGIN = 2e-5
-#: How near its threshold a decision on a tie row (:class:`_TieRow`) may come
-#: and still be taken without vLLM's sort (absolute for the accept test,
-#: relative for the recovered token's product).
+#: How near its threshold a tie row's decision may come without vLLM's sort
+#: (absolute for the accept test, relative for the recovered token's product).
 TIE_GUARD = 1e-4
 
 
@@ -57,17 +49,13 @@ def __getattr__(name: str):
 def top_k_top_p_rows(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor,
                      fallback, ties: dict | None = None, window: int = WINDOW,
                      margin: float = MARGIN) -> torch.Tensor:
-    """``logits`` ``[rows, vocab]`` masked in place to each row's top-k ``k``
-    ``[rows]`` (None, or ``vocab``: none) and top-p ``p`` ``[rows]``, as
-    ``fallback(logits, k, p)`` (vLLM's ``apply_top_k_top_p``) masks them.
+    """``logits`` [rows, vocab] masked in place to top-k ``k`` [rows] (None: none) and
+    top-p ``p`` [rows] as ``fallback`` (vLLM's ``apply_top_k_top_p``) masks them.
 
-    A row is decided here only where vLLM's answer is certain: the cut falls
-    inside the window, the masses on both sides of it are more than ``margin``
-    from p, no token outside the kept ones ties the cut's logit (vLLM's sort
-    is unstable), its top-k is within the window, and p < 1. Other rows go to
-    ``fallback``; with a ``ties`` dict, a row whose only doubt is a tie is
-    masked below the cut, its whole tie group kept, and ``ties[row] = (cut,
-    m)``: the cut's logit and how many tokens vLLM keeps (:class:`_TieRow`).
+    A row is decided here only where vLLM's answer is certain (cut inside the window,
+    masses more than ``margin`` from p, no tie at the cut, p < 1); others go to
+    ``fallback``. With a ``ties`` dict, a row whose only doubt is a tie keeps its tie
+    group and ``ties[row] = (cut logit, tokens vLLM keeps)`` (:class:`_TieRow`).
     """
     rows, vocab = logits.shape
     COUNTS.rows += rows
@@ -123,12 +111,9 @@ def top_k_top_p_rows(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tens
 
 def recovered_inv_q(num_draft_tokens: list[int], target_probs: torch.Tensor, generators: dict,
                     dtype: torch.dtype, device) -> torch.Tensor:
-    """``inv_q`` ``[batch, vocab]`` for vLLM's ``_sample_recovered_tokens``
-    (reciprocal Exp(1) noise per request): a seeded drafting request's drawn
-    from its generator over the vocabulary, as vLLM draws it; another
-    drafting request's only where one of its ``target_probs`` rows
-    (``[num_tokens, vocab]``) is above 0 (elsewhere it multiplies 0: the same
-    argmax in distribution); 0 for a request without a draft (never read)."""
+    """``inv_q`` [batch, vocab], reciprocal Exp(1) noise, for vLLM's
+    ``_sample_recovered_tokens``: a seeded request's over the vocabulary as vLLM
+    draws it, an unseeded one's only where a ``target_probs`` row is above 0."""
     batch, vocab = len(num_draft_tokens), target_probs.shape[-1]
     inv_q = torch.zeros((batch, vocab), dtype=dtype, device=device)
     start = 0
@@ -145,8 +130,7 @@ def recovered_inv_q(num_draft_tokens: list[int], target_probs: torch.Tensor, gen
 
 
 def _noise_on_support(inv_q: torch.Tensor, support: torch.Tensor) -> None:
-    """``inv_q`` ``[vocab]`` (zeros): reciprocal Exp(1) draws where ``support``
-    (bool ``[vocab]``) holds, in index order, from the default generator."""
+    """Reciprocal Exp(1) draws into ``inv_q`` [vocab] where ``support`` holds."""
     idx = support.nonzero().squeeze(1)
     if idx.numel():
         inv_q[idx] = torch.empty(idx.numel(), dtype=inv_q.dtype,
@@ -159,36 +143,17 @@ def verify_sampled_rows(output: torch.Tensor, draft_token_ids: torch.Tensor,
                         bonus_token_ids: torch.Tensor, uniform_probs: torch.Tensor,
                         is_greedy: torch.Tensor | None, generators: dict, constrain,
                         q_dtype: torch.dtype = torch.float32) -> None:
-    """vLLM 0.32's rejection sampling of the sampled requests' drafts without
-    draft probabilities, computing a draft row only while its request has
-    accepted every token before it. As vLLM's kernels: a token is accepted iff
-    its probability (float32, after top-k/top-p) is at least its uniform draw
-    (a padded token, -1, never); at the first rejection the token is the
-    argmax of the probabilities less the draft token's times the request's
-    inverse Exp(1) noise; a fully accepted draft appends the bonus token. A
-    seeded request's noise is drawn first, over the vocabulary, as vLLM's.
-
-    Args:
-        output: int ``[batch, max_spec_len + 1]`` of vLLM's placeholder; the
-            sampled requests' rows are written.
-        draft_token_ids: int ``[num_tokens]``; num_draft_tokens: per request.
-        target_logits: float32 ``[num_tokens, vocab]``, temperature applied.
-        top_k, top_p: ``[num_tokens]`` or None.
-        bonus_token_ids: int ``[batch, 1]``; uniform_probs: ``[num_tokens]``.
-        is_greedy: bool ``[batch]`` or None (none greedy).
-        generators: request index -> its ``torch.Generator``.
-        constrain: ``(logits, k, p, ties=None) -> logits``
-            (:func:`top_k_top_p_rows` with vLLM's fallback).
-        q_dtype: the noise's dtype (float64 with vLLM's fp64 Gumbel).
-    """
+    """vLLM 0.32's rejection sampling of the sampled requests' drafts (no draft
+    probabilities), into ``output`` [batch, max_spec_len + 1], a draft row computed
+    only while its request accepted every token before it. ``target_logits``
+    [num_tokens, vocab] (temperature applied); ``top_k``, ``top_p``, ``uniform_probs``
+    [num_tokens]; ``bonus_token_ids`` [batch, 1]; ``is_greedy`` [batch] or None;
+    ``constrain(logits, k, p, ties=None)``: :func:`top_k_top_p_rows` with vLLM's."""
     batch = len(num_draft_tokens)
     vocab = target_logits.shape[-1]
     device = target_logits.device
     greedy = [False] * batch if is_greedy is None else is_greedy.tolist()
-    starts, start = [], 0
-    for n in num_draft_tokens:
-        starts.append(start)
-        start += n
+    starts = list(itertools.accumulate(num_draft_tokens, initial=0))
     bonus = bonus_token_ids.view(-1)
     inv_q = {}
     alive = []
@@ -264,14 +229,10 @@ def verify_sampled_rows(output: torch.Tensor, draft_token_ids: torch.Tensor,
 
 
 class _TieRow:
-    """A sampled draft row whose nucleus cut falls in a group of tied logits,
-    masked below the cut (:func:`top_k_top_p_rows` ``ties``): vLLM keeps every
-    token above the cut and ``m`` less their count of the tied ones, which
-    ones depending on its unstable sort. The nucleus's mass is known anyway,
-    so a draft token above the cut is tested as vLLM tests it, and a
-    recovered winner above the cut wins over every kept subset; a tied token,
-    or a decision within :data:`TIE_GUARD` of its threshold, takes vLLM's
-    sort (:meth:`exact`) with the same noise."""
+    """A draft row whose nucleus cut falls in tied logits: vLLM keeps ``m`` tokens,
+    which of the tied ones depends on its unstable sort. A token above the cut is
+    decided from the known mass; a tied one, or one within :data:`TIE_GUARD` of its
+    threshold, takes vLLM's sort (:meth:`exact`) with the same noise."""
 
     def __init__(self, row: torch.Tensor, cut: float, m: int) -> None:
         self.row = row  # float [vocab] masked below the cut
@@ -301,9 +262,8 @@ class _TieRow:
         return p >= u
 
     def recovered(self, tok: int, q: torch.Tensor | None) -> int | None:
-        """The recovered token after ``tok`` was rejected, ``q`` a seeded
-        request's noise ``[vocab]`` (None: drawn here on the superset's
-        support, less ``tok``), or None (ask the sort)."""
+        """The recovered token after ``tok`` was rejected (None: ask the sort); ``q``
+        a seeded request's noise [vocab], None: drawn here on the support."""
         e = self.e.clone()
         if tok >= 0:
             e[self.support == tok] = 0.0
@@ -327,8 +287,7 @@ class _TieRow:
         return token if float(self.row[token]) > self.cut else None
 
     def exact(self, raw: torch.Tensor, constrain, k_rows, p_rows, j: int) -> torch.Tensor:
-        """The row's float32 probabilities as vLLM computes them (``raw``: its
-        logits before top-k/top-p; ``constrain`` sorts it)."""
+        """The row's float32 probabilities as vLLM computes them from ``raw`` logits."""
         self.resolved = True
         COUNTS.tie_rows_sorted += 1
         row = constrain(raw.unsqueeze(0).clone(), None if k_rows is None else k_rows[j:j + 1],
@@ -336,7 +295,7 @@ class _TieRow:
         return row.softmax(dim=-1, dtype=torch.float32)[0]
 
     def noise_row(self, vocab: int, dtype: torch.dtype) -> torch.Tensor:
-        """The noise :meth:`recovered` drew, as a ``[vocab]`` row (0 elsewhere)."""
+        """The noise :meth:`recovered` drew, as a [vocab] row."""
         q = torch.zeros(vocab, dtype=dtype, device=self.row.device)
         if self._noise is not None:
             q[self.support] = self._noise.to(dtype)

@@ -1,7 +1,5 @@
-"""Every change this package makes to vLLM: a registry of patches
-(:mod:`.registry`), filed by vLLM area (:mod:`.engine_args`,
-:mod:`.model_runner`, :mod:`.engine`; the CPU platform's in
-:mod:`vllm_lookahead.cpu.patches` and :mod:`vllm_lookahead.cpu.ray`).
+"""Every change this package makes to vLLM, in a registry (:mod:`.registry`), filed by
+vLLM area (the CPU platform's in :mod:`vllm_lookahead.cpu`).
 ``python -m vllm_lookahead.patches`` prints the table.
 """
 
@@ -18,14 +16,13 @@ __all__ = ["CPU_SAMPLER_ENV", "WORKER_STATS_METHOD", "Patch", "apply_all", "decl
 
 def declared() -> list[Patch]:
     """Every patch, in the order :func:`apply_all` applies them."""
-    from vllm_lookahead.cpu import patches as _cpu, ray as _ray  # noqa: F401 (declare)
+    from vllm_lookahead.cpu import patches as _cpu  # noqa: F401 (declare)
 
     return PATCHES
 
 
 def apply_all() -> list[Patch]:
-    """Apply each patch whose ``when`` holds in this process and is not
-    applied yet; returns those applied now."""
+    """Apply each patch not applied yet whose ``when`` holds; returns those applied."""
     done = [p for p in declared() if APPLIED.get(p.target) is not p and p.when.holds()]
     for p in done:
         p.apply()

@@ -21,12 +21,8 @@ class LookaheadRequestError(VLLMValidationError, ValueError):
        "`LookaheadConfig` and carried in `additional_config`; pipeline parallelism refused.")
 def lookahead_method(orig, self, *args, **kwargs):
     from vllm_lookahead.config import ADDITIONAL_CONFIG_KEY, LookaheadConfigError
-    from vllm_lookahead.spellings import (
-        SPEC_FLAGS,
-        is_lookahead,
-        merge_spec_flags,
-        split_speculative_config,
-    )
+    from vllm_lookahead.spellings import (SPEC_FLAGS, is_lookahead, merge_spec_flags,
+                                          split_speculative_config)
 
     spec = self.speculative_config
     merged, names = merge_spec_flags(spec, self)
@@ -36,11 +32,9 @@ def lookahead_method(orig, self, *args, **kwargs):
     pp = getattr(self, "pipeline_parallel_size", 1) or 1
     if pp > 1:
         raise LookaheadConfigError(
-            f"speculative_config['method'] = 'lookahead' does not support "
-            f"pipeline_parallel_size={pp}: vLLM 0.32 runs speculative decoding "
-            "on a single pipeline stage only (with pipeline parallelism any "
-            "speculative method fails on CPU with \"'CPUModelRunner' object has "
-            "no attribute 'drafter'\"). Use tensor_parallel_size instead.")
+            f"speculative_config['method'] = 'lookahead' does not support pipeline_parallel_size"
+            f"={pp}: vLLM 0.32 runs speculative decoding on a single pipeline stage only. "
+            "Use tensor_parallel_size instead.")
     self.additional_config = {**(self.additional_config or {}),
                               ADDITIONAL_CONFIG_KEY: split.lookahead.to_dict()}
     flags = {attr: getattr(self, attr, None) for _, _, attr in SPEC_FLAGS}
@@ -80,12 +74,8 @@ def cli_spellings(orig, parser, *args, **kwargs):
 def validate_request_settings(orig, self, params, *args, **kwargs):
     from vllm.sampling_params import SamplingParams
 
-    from vllm_lookahead.config import (
-        ADDITIONAL_CONFIG_KEY,
-        LookaheadConfig,
-        LookaheadConfigError,
-        request_settings,
-    )
+    from vllm_lookahead.config import (ADDITIONAL_CONFIG_KEY, LookaheadConfig,
+                                       LookaheadConfigError, request_settings)
 
     result = orig(self, params, *args, **kwargs)
     extra = params.extra_args if isinstance(params, SamplingParams) else None

@@ -81,9 +81,8 @@ def warm_up(orig, self, *args, **kwargs):
 
 
 def install_logits_hook(model, owner) -> None:
-    """Wrap ``compute_logits`` of the engine's model instance (once; per
-    instance, so not in the registry): ``owner.take_extra_rows()`` (``[k,
-    hidden]`` or None) ride in vLLM's call after its rows, their logits go to
+    """Wrap the model instance's ``compute_logits`` once (not in the registry): the
+    ``owner.take_extra_rows()`` [k, hidden] ride after vLLM's rows, their logits go to
     ``owner.put_extra_logits`` (None where not gathered)."""
     orig = model.compute_logits
     if getattr(orig, "_lookahead_hook", False):

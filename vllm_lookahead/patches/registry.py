@@ -1,8 +1,5 @@
-"""The patch registry: each change this package makes to vLLM is a :class:`Patch`.
-
-A patch replaces one attribute of vLLM, its target (``module:Qual.name``),
-or adds one. Applying keeps the original (``Patch.original``, what a wrapper
-calls); a target takes one patch, a second is refused.
+"""The patch registry: a :class:`Patch` replaces or adds one attribute of vLLM, its target
+(``module:Qual.name``), keeping the original (what a wrapper calls); one patch a target.
 """
 
 from __future__ import annotations
@@ -14,8 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-#: ``0`` keeps vLLM's own CPU sampler and verifier (the speed-ups of
-#: :mod:`vllm_lookahead.cpu`, which change them for every speculative method).
+#: ``0`` keeps vLLM's own CPU sampler and verifier (no :mod:`vllm_lookahead.cpu` speed-ups).
 CPU_SAMPLER_ENV = "VLLM_LOOKAHEAD_CPU_SAMPLER"
 
 
