@@ -1,7 +1,11 @@
 """One engine run for tests/test_e2e_distributed.py, in its own process (vLLM's
 multiprocessing executor spawns workers, which needs a real ``__main__``).
 
-    python tests/distributed_run.py MODEL SPEC_JSON|none TP mp|none OUT_JSON
+    python tests/distributed_run.py MODEL SPEC_JSON|none TP mp|ray|none OUT_JSON
+
+With ``ray`` it starts a local Ray instance that declares one ``vllm_cpu``
+resource per worker and turns on our opt-in CPU fix
+(``LOOKAHEAD_RAY_ON_CPU=1``).
 
 Greedy, float32, eager; four token-id prompts (repetitive, so n-gram drafts
 hit), each alone and then all together. Writes the token ids and, with
@@ -25,6 +29,16 @@ def prompts() -> list[list[int]]:
 
 def main(model: str, spec_text: str, tp: int, backend: str, out_path: str) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+    if backend == "ray":
+        os.environ["LOOKAHEAD_RAY_ON_CPU"] = "1"
+        import ray
+
+        from vllm_lookahead.cpu.ray import RAY_CPU_RESOURCE
+
+        ctx = ray.init(num_cpus=tp, resources={RAY_CPU_RESOURCE: tp}, include_dashboard=False)
+        # vLLM's engine core runs in its own process: point it at this
+        # instance, as a user points it at theirs.
+        os.environ["RAY_ADDRESS"] = ctx.address_info["gcs_address"]
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -81,13 +81,3 @@ def test_register_does_not_import_tooling() -> None:
     if report["supported"]:
         expected.add("vllm_lookahead.patches")
     assert expected <= modules, f"not loaded: {sorted(expected - modules)}"
-
-
-def test_removed_ray_on_cpu_setting_fails_at_start(monkeypatch) -> None:
-    """``LOOKAHEAD_RAY_ON_CPU`` was removed: setting it stops vLLM at start-up,
-    naming it and what replaces it."""
-    from vllm_lookahead import plugin
-
-    monkeypatch.setenv("LOOKAHEAD_RAY_ON_CPU", "1")
-    with pytest.raises(RuntimeError, match="LOOKAHEAD_RAY_ON_CPU was removed.*'mp'"):
-        plugin.register()

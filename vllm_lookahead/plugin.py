@@ -5,14 +5,11 @@ supported vLLM it applies :mod:`vllm_lookahead.patches`, on any other it makes
 from __future__ import annotations
 
 import logging
-import os
 
 #: vLLM releases this plugin is built and tested against.
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
 
 logger = logging.getLogger("vllm.vllm_lookahead")
-#: A removed setting: the Ray executor on vLLM's CPU platform.
-RAY_ON_CPU_ENV = "LOOKAHEAD_RAY_ON_CPU"
 
 
 def vllm_version() -> str:
@@ -32,11 +29,6 @@ def unsupported_message(version: str) -> str:
 
 
 def register() -> None:
-    if os.environ.get(RAY_ON_CPU_ENV, "0").strip().lower() in ("1", "true", "yes"):
-        raise RuntimeError(
-            f"{RAY_ON_CPU_ENV} was removed: vllm-lookahead no longer patches vLLM's Ray "
-            "executor for its CPU platform. Unset it and use the multiprocessing executor "
-            "(distributed_executor_backend='mp').")
     version = vllm_version()
     if not is_supported(version):
         logger.error(unsupported_message(version))

@@ -16,7 +16,7 @@ __all__ = ["CPU_SAMPLER_ENV", "WORKER_STATS_METHOD", "Patch", "apply_all", "decl
 
 def declared() -> list[Patch]:
     """Every patch, in the order :func:`apply_all` applies them."""
-    from vllm_lookahead.cpu import patches as _cpu  # noqa: F401 (declare)
+    from vllm_lookahead.cpu import patches as _cpu, ray as _ray  # noqa: F401 (declare)
 
     return PATCHES
 
