@@ -95,7 +95,6 @@ class LookaheadProposer:
             cost = build_cost_model(setting, runner, self.worker, self._agree)
             cost.learn_plain = self.cfg.learn_step_cost
             planner = self.step.planner = Planner(cost, fused=self.fused)
-            planner.min_draft_p = self.cfg.min_draft_p
             planner.lazy_verify = cpu_sampling.LAZY_VERIFY
 
     def on_update_states(self, scheduler_output) -> None:
@@ -187,12 +186,9 @@ class LookaheadProposer:
                 state, out[0], self.worker.fused_preds()[out[1]], sampled, self.memory)
             live.append(Live(i, state, n_tok, min(spec_k, self.max_model_len - n_tok - 1), chain))
         self._timer.book(self.step.planner, t0, clean, len(live))
-        # the batch as a whole: nothing waits and every row decodes with lookahead
-        closed = (self.cfg.batch_end and self._waiting == 0
-                  and len(live) == num_decoding == len(sampled_token_ids))
         drafts, planned = self.step.run(  # separate mode's trees: worker.run
             live, len(sampled_token_ids), num_decoding, spec_k, joined, token_ids,
-            lambda rows: self.worker.run(_tree_requests(rows)), closed=closed)
+            lambda rows: self.worker.run(_tree_requests(rows)))
         self.stats.live_requests = len(self.states)
         t1 = time.perf_counter()
         self.stats.proposer_time_s += t1 - t0
