@@ -14,8 +14,6 @@ from typing import Any
 
 #: ``VllmConfig.additional_config`` key carrying the settings to the workers.
 ADDITIONAL_CONFIG_KEY = "lookahead"
-#: ``SchedulerOutput`` attribute carrying the requests left waiting (``patches`` 16).
-WAITING_ATTR = "lookahead_waiting"
 
 _RANGES = {"ngram_size": (2, 16), "window_size": (0, 64), "guess_set_size": (1, 64),
            "seed": (0, 2**63 - 1), "max_tree_tokens": (0, 1 << 20), "lookup_len": (0, 64),

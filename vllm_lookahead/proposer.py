@@ -16,7 +16,7 @@ from vllm_lookahead.algo.drafting import Live, account, harvest, new_state
 from vllm_lookahead.algo.memory import SCOPE_KEY, SharedMemory
 from vllm_lookahead.algo.state import SAMPLES_KEY, RequestState, sibling_group
 from vllm_lookahead.algo.trees import PlannedTree
-from vllm_lookahead.config import (ADDITIONAL_CONFIG_KEY, WAITING_ATTR, LookaheadConfig,
+from vllm_lookahead.config import (ADDITIONAL_CONFIG_KEY, LookaheadConfig,
                                    LookaheadConfigError, RequestSettings, request_settings)
 from vllm_lookahead.planner.acceptance import AcceptancePrior
 from vllm_lookahead.planner.planner import Planner
@@ -51,11 +51,10 @@ class LookaheadProposer:
         self.worker = None  # LookaheadWorker, made at warm-up
         self.trees_unsupported: str | None = None  # why the trees cannot run here
         # this step (on_update_states): tokens scheduled per request, vLLM's draft length,
-        # no new or resumed request, requests waiting for a slot (None: not reported)
+        # no new or resumed request
         self._scheduled: dict[str, int] = {}
         self._spec_k = self.num_spec_tokens
         self._clean = False
-        self._waiting = None
         #: fused: req id -> (its tree, its index in the worker's fused_preds)
         self._fused_out: dict[str, tuple[PlannedTree, int]] = {}
         tp = vllm_config.parallel_config.tensor_parallel_size
@@ -109,7 +108,6 @@ class LookaheadProposer:
         self._clean = not scheduler_output.scheduled_new_reqs and not resumed
         k = getattr(scheduler_output, "num_spec_tokens_to_schedule", None)
         self._spec_k = self.num_spec_tokens if k is None else min(self.num_spec_tokens, int(k))
-        self._waiting = getattr(scheduler_output, WAITING_ATTR, None)
 
     def model_forward(self, runner, forward, input_ids, positions, **kwargs):
         """The runner's model call: in fused mode the planned trees of the

@@ -3,7 +3,7 @@ scope, the waiting requests) and the worker methods the engine calls."""
 
 from __future__ import annotations
 
-from vllm_lookahead.config import ADDITIONAL_CONFIG_KEY, WAITING_ATTR
+from vllm_lookahead.config import ADDITIONAL_CONFIG_KEY
 from vllm_lookahead.patches.registry import ALWAYS, declare, replaces, wraps
 from vllm_lookahead.stats import WORKER_STATS_METHOD, worker_drafter, worker_stats
 
@@ -52,13 +52,3 @@ def clear_memory_on_reset(orig, self, *args, **kwargs):
     if ok and _runs_lookahead(self.vllm_config):
         self.model_executor.collective_rpc(CLEAR_MEMORY_METHOD)
     return ok
-
-
-@wraps("vllm.v1.core.sched.scheduler:Scheduler.schedule", "scheduler",
-       "The `SchedulerOutput` carries `lookahead_waiting` (requests left waiting) to the "
-       "workers, so the planner knows when nothing waits for the batch's slots.")
-def report_waiting(orig, self, *args, **kwargs):
-    out = orig(self, *args, **kwargs)
-    if _runs_lookahead(self.vllm_config):
-        setattr(out, WAITING_ATTR, self.get_request_counts()[1])
-    return out
